@@ -1,4 +1,4 @@
-"""Command line: `python -m shardlib verify | bench | labs`."""
+"""Command line: `python -m shardlib verify | bench | labs | plan`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:  # plan has its own options (python -m shardlib plan --help)
+        from shardlib import plan
+
+        return plan.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m shardlib", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -20,6 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (for a smoke run)")
     bench.add_argument("--json", action="store_true", help="print a JSON list of rows")
 
+    labs = commands.add_parser("labs", help="regenerate labs/ from solutions/")
+    labs.add_argument("--check", action="store_true", help="change nothing; exit non-zero and list stale labs")
+    labs.add_argument("--force", action="store_true", help="overwrite labs that hold outputs (someone's work)")
+
+    commands.add_parser("plan", help="rank dp/tp/pp/ZeRO layouts for a model on a cluster (plan --help)")
+
     args = parser.parse_args(argv)
     if args.command == "verify":
         from shardlib import verify as module
@@ -32,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         from shardlib import bench as module
 
         return module.main(args.names, args.json, quick=args.quick)
+    if args.command == "labs":
+        from shardlib import labgen
+
+        return labgen.main(check=args.check, force=args.force)
     return 2
 
 

@@ -80,12 +80,17 @@ class AlphaBeta:
 
 
 def fit_alpha_beta(kind: str, world_size: int, nbytes: list[float], seconds: list[float]) -> AlphaBeta:
-    """Least-squares fit of t = steps*alpha + steps*(S/N)/B to measured times."""
+    """Least-squares fit of t = steps*alpha + steps*(S/N)/B to measured times.
+
+    Each point is weighted by 1/t (relative error), since sizes span decades: unweighted,
+    the largest tensors' jitter alone would decide alpha.
+    """
     n = world_size
     steps = (2 * n - 2) if kind == "broadcast" else _RING_STEPS[kind](n)
     x = torch.tensor([[steps, steps * s / n] for s in nbytes], dtype=torch.float64)  # (k, 2)
     y = torch.tensor(seconds, dtype=torch.float64)  # (k,)
-    alpha, inv_bw = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist()
+    weight = 1.0 / y.unsqueeze(1)  # (k, 1)
+    alpha, inv_bw = torch.linalg.lstsq(x * weight, (y.unsqueeze(1) * weight)).solution.squeeze(1).tolist()
     return AlphaBeta(alpha=max(alpha, 0.0), bandwidth=1.0 / inv_bw if inv_bw > 0 else float("inf"))
 
 
@@ -229,6 +234,20 @@ def _batch_isend_irecv_recording(original):
     return wrapper
 
 
+def _p2p_op_recording(original):
+    """P2POp accepts only the unpatched isend/irecv (it checks `op is isend`): unwrap ours."""
+
+    class P2POp(original):
+        def __new__(cls, op, *args, **kwargs):
+            return original.__new__(cls, getattr(op, "_shardlib_original", op), *args, **kwargs)
+
+        def __init__(self, op, *args, **kwargs):
+            original.__init__(self, getattr(op, "_shardlib_original", op), *args, **kwargs)
+
+    P2POp._shardlib_original = original
+    return P2POp
+
+
 @contextmanager
 def comm_ledger():
     """`with comm_ledger() as ledger:` records this rank's torch.distributed calls."""
@@ -238,13 +257,14 @@ def comm_ledger():
             if hasattr(dist, name):
                 setattr(dist, name, _recording(name, getattr(dist, name)))
         dist.batch_isend_irecv = _batch_isend_irecv_recording(dist.batch_isend_irecv)
+        dist.P2POp = _p2p_op_recording(dist.P2POp)
     _open_ledgers.append(ledger)
     try:
         yield ledger
     finally:
         _open_ledgers.remove(ledger)
         if not _open_ledgers:
-            for name in _RECORDED + ("batch_isend_irecv",):
+            for name in _RECORDED + ("batch_isend_irecv", "P2POp"):
                 fn = getattr(dist, name, None)
                 if fn is not None and hasattr(fn, "_shardlib_original"):
                     setattr(dist, name, fn._shardlib_original)

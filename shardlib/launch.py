@@ -20,6 +20,8 @@ Faults never hang the caller:
 - bad arguments fail before any process starts.
 
 Processes are forked on Linux and macOS, so `fn` may be defined in a notebook cell.
+A forked rank computes with one CPU thread: OpenMP's thread pool does not survive a
+fork (pytorch/pytorch#17199), and one thread per rank is what a simulated cluster wants.
 Windows has no fork: put `fn` in a .py module, import it, and call
 `launch(fn, n, start_method="spawn")` from under `if __name__ == "__main__":`
 (or run the course under WSL2, where everything works as on Linux).
@@ -99,45 +101,65 @@ def init_from_env(backend: str | None = None, timeout: float = 300.0) -> None:
 
 
 class _ForwardedStream:
-    """Stands in for sys.stdout/sys.stderr in a rank: sends what is written to the caller."""
+    """Stands in for sys.stdout/sys.stderr in a rank: sends what is written to the caller.
+
+    Whole lines are sent (print writes the text and its newline separately, and another rank's
+    line must not land in between); flush() sends a partial line, e.g. a progress bar's.
+    """
 
     def __init__(self, channel, rank: int, name: str):
         self.channel, self.rank, self.name = channel, rank, name
+        self.pending = ""
 
     def write(self, text: str) -> int:
-        if text:
-            self.channel.put(("out", self.rank, self.name, text))
+        self.pending += text
+        if "\n" in self.pending:
+            lines, _, self.pending = self.pending.rpartition("\n")
+            self.channel.put(("out", self.rank, self.name, lines + "\n"))
         return len(text)
 
     def flush(self) -> None:
-        pass
+        if self.pending:
+            self.channel.put(("out", self.rank, self.name, self.pending))
+            self.pending = ""
 
     def isatty(self) -> bool:
         return False
 
 
-def _rank_main(fn, args, kwargs, rank, world_size, port, backend, timeout, channel):
+def _rank_main(fn, args, kwargs, rank, world_size, port, backend, timeout, channel, start_method):
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     sys.stdout = _ForwardedStream(channel, rank, "stdout")
     sys.stderr = _ForwardedStream(channel, rank, "stderr")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # A forked child inherits the parent's OpenMP thread pool, which is not fork-safe:
+    # once the parent has computed with several threads, a child using several hangs
+    # (pytorch/pytorch#17199). One thread per forked rank is safe, and it is what a
+    # simulated cluster wants anyway: each rank is one small device.
+    torch.set_num_threads(1 if start_method == "fork" else max(1, (os.cpu_count() or 1) // world_size))
     try:
         init_from_env(backend, timeout)
+        dist.barrier()  # gloo group creation does not synchronise: a fast rank could exit mid-connect
         result = fn(*args, **kwargs)
         payload = pickle.dumps(result)  # plain bytes: no shared-memory handles to outlive the rank
+        _flush_output()  # before the result: the caller stops reading once it has every result
         channel.put(("ok", rank, payload))
     except BaseException:  # noqa: BLE001 - everything goes back to the caller
+        _flush_output()
         channel.put(("error", rank, (time.time(), traceback.format_exc())))
     finally:
-        sys.stdout.flush()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+
+
+def _flush_output() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 # ---------------------------------------------------------------------------------
@@ -250,7 +272,7 @@ def launch(
     processes = [
         context.Process(
             target=_rank_main,
-            args=(fn, tuple(args), dict(kwargs or {}), rank, world_size, port, backend, timeout, channel),
+            args=(fn, tuple(args), dict(kwargs or {}), rank, world_size, port, backend, timeout, channel, start_method),
             name=f"shardlib-rank-{rank}",
             daemon=True,
         )
@@ -335,7 +357,8 @@ def _first_failure(failures: dict, channel, printer, processes, results) -> Laun
     others = sorted(set(failures) - {rank})
     if others:
         error.args = (error.args[0] + f"\n(ranks {others} failed after it, most likely because rank {rank} stopped.)",)
-    if any(m in failures[rank][1] for m in _TIMEOUT_MARKERS):
+    exception_line = failures[rank][1].strip().splitlines()[-1]  # not the code lines quoted above it
+    if any(m in exception_line for m in _TIMEOUT_MARKERS):
         error.args = (
             f"rank {rank} timed out in a collective or point-to-point call: a peer never joined it "
             "(ranks calling different collectives, or a recv with no matching send). "

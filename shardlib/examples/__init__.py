@@ -1,0 +1,1 @@
+"""Runnable scripts: each works under `torchrun` (PyTorch's launcher) and directly (shardlib.launch)."""

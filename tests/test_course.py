@@ -1,0 +1,107 @@
+"""The bootstrap (course.py), the Makefile and .ci/run agree with the README.
+
+The set-up logic runs here with its commands recorded instead of executed; the real
+thing (a fresh clone, its own .venv, the whole suite) is what `.ci/run` does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+import pytest
+from packaging.specifiers import SpecifierSet
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_course():
+    spec = importlib.util.spec_from_file_location("course", REPO_ROOT / "course.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def course(tmp_path: Path, monkeypatch):
+    """course.py pointed at a temporary project whose commands are recorded, not run."""
+    module = load_course()
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    monkeypatch.setattr(module, "ROOT", tmp_path)
+    monkeypatch.setattr(module, "VENV", tmp_path / ".venv")
+    monkeypatch.setattr(module, "STAMP", tmp_path / ".venv" / "course-stamp.txt")
+    module.commands = []
+
+    def run(command, **kwargs):
+        command = [str(part) for part in command]
+        module.commands.append(command)
+        if command[1:3] == ["-m", "venv"]:  # make the interpreter the venv would hold
+            module.venv_python().parent.mkdir(parents=True)
+            module.venv_python().touch()
+
+    monkeypatch.setattr(module, "run", run)
+    monkeypatch.setattr(module, "pip_version", lambda python: (20, 2))
+    return module
+
+
+def test_fresh_checkout_creates_venv_upgrades_old_pip_installs_and_stamps(course, tmp_path: Path):
+    python = course.ensure_environment()
+    assert python == course.venv_python()
+    assert [command[1:] for command in course.commands] == [
+        ["-m", "venv", str(tmp_path / ".venv")],
+        ["-m", "pip", "install", "--upgrade", "pip"],
+        ["-m", "pip", "install", "-e", "."],
+    ]
+    stamp = (tmp_path / ".venv" / "course-stamp.txt").read_text().strip()
+    assert stamp == hashlib.sha256((tmp_path / "pyproject.toml").read_bytes()).hexdigest()
+
+
+def test_nothing_to_do_when_stamp_matches_and_reinstall_when_pyproject_changes(course, tmp_path: Path):
+    course.ensure_environment()
+    course.commands.clear()
+    course.ensure_environment()
+    assert course.commands == []
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\ndependencies = ['tqdm']\n")
+    course.ensure_environment()
+    assert [command[-3:] for command in course.commands][-1] == ["install", "-e", "."]
+    assert not any("venv" in command for command in course.commands)  # same venv, reinstalled
+
+
+def test_recent_pip_is_not_upgraded(course, monkeypatch):
+    monkeypatch.setattr(course, "pip_version", lambda python: (23, 2))
+    course.ensure_environment()
+    assert not any("--upgrade" in command for command in course.commands)
+
+
+def test_windows_interpreter_path(course, monkeypatch, tmp_path: Path):
+    monkeypatch.setattr(course.os, "name", "nt")
+    assert course.venv_python() == tmp_path / ".venv" / "Scripts" / "python.exe"
+
+
+def test_test_command_runs_everything_unless_given_paths():
+    course = load_course()
+    assert course.TEST_PATHS == ["tests", "notebooks", "solutions"]
+    assert "--nbval-current-env" in course.PYTEST_OPTIONS and "--nbval-lax" in course.PYTEST_OPTIONS
+    assert not course.uses_own_paths(["-x", "-k", "ring"])
+    assert course.uses_own_paths(["tests/test_course.py::test_windows_interpreter_path"])
+
+
+def test_minimum_python_is_pyprojects():
+    text = (REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    requires = re.search(r'requires-python\s*=\s*"([^"]+)"', text)[1]
+    major, minor = load_course().MIN_PYTHON
+    assert SpecifierSet(requires) == SpecifierSet(f">={major}.{minor}")
+
+
+def test_ci_and_make_call_the_readme_commands():
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    ci = (REPO_ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "python3 course.py test" in readme and "python3 course.py\n" in readme
+    assert re.search(r"^exec python3 course\.py test\b", ci, re.M)
+    assert os.access(REPO_ROOT / ".ci" / "run", os.X_OK) or os.name == "nt"
+    makefile = (REPO_ROOT / "Makefile").read_text(encoding="utf-8")
+    for target, command in [("course", "course.py"), ("test", "course.py test"), ("labs", "course.py labs")]:
+        assert re.search(rf"^{target}:.*\n\t\$\(PYTHON\) {re.escape(command)}$", makefile, re.M), target

@@ -1,0 +1,143 @@
+"""Labs: labs/ is what solutions/ generates, and every check cell can fail.
+
+For each solutions/NN_name.ipynb the generated lab is executed in a fresh kernel: every cell
+tagged `check` must raise there (the learner has not written the code yet), and every cell of
+the solution, check cells included, must run without error. A check that passes on the
+unsolved stub cannot tell a learner anything, so it is a defect.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import ipykernel.kernelspec
+import nbformat
+import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
+from nbclient import NotebookClient
+
+from shardlib import labgen
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SOLUTIONS = labgen.solution_paths(REPO_ROOT / "solutions")
+CELL_TIMEOUT_S = 900
+# A check that fails with one of these did not reach the learner's code: the lab is broken.
+BROKEN_LAB_ERRORS = {"NameError", "SyntaxError", "IndentationError", "ImportError", "ModuleNotFoundError"}
+CURRENT_ENV = "current-env"
+
+
+class CurrentEnvKernelSpecs(KernelSpecManager):
+    """Run notebooks with this Python, whatever kernels are installed (as nbval's current-env)."""
+
+    def get_kernel_spec(self, kernel_name):
+        if kernel_name == CURRENT_ENV:
+            return self.kernel_spec_class(resource_dir=ipykernel.kernelspec.RESOURCES,
+                                          **ipykernel.kernelspec.get_kernel_dict())
+        return super().get_kernel_spec(kernel_name)
+
+
+def execute(notebook: dict, cwd: Path) -> nbformat.NotebookNode:
+    """Run every cell in a fresh kernel started in `cwd`, going on past errors."""
+    node = nbformat.reads(json.dumps(notebook), as_version=4)
+    kernel = KernelManager(kernel_name=CURRENT_ENV, kernel_spec_manager=CurrentEnvKernelSpecs())
+    client = NotebookClient(node, km=kernel, timeout=CELL_TIMEOUT_S, startup_timeout=300,
+                            allow_errors=True, resources={"metadata": {"path": str(cwd)}})
+    client.execute()
+    return node
+
+
+def error_name(cell) -> str | None:
+    """The exception a code cell raised (e.g. 'AssertionError'), or None if it ran cleanly."""
+    for output in cell.get("outputs", []):
+        if output.get("output_type") == "error":
+            return output.get("ename", "Exception")
+    return None
+
+
+def check_cells(notebook) -> list[tuple[int, dict]]:
+    return [(index, cell) for index, cell in enumerate(notebook["cells"])
+            if cell["cell_type"] == "code" and labgen.CHECK_TAG in labgen.cell_tags(cell)]
+
+
+def checks_that_pass_on_stub(lab) -> list[str]:
+    """Problems with an executed lab: check cells that did not fail, or failed for a broken lab."""
+    problems = []
+    for index, cell in check_cells(lab):
+        name = error_name(cell)
+        if name is None:
+            problems.append(f"check cell {index} passes on the unsolved lab: it cannot catch a wrong answer")
+        elif name in BROKEN_LAB_ERRORS:
+            problems.append(f"check cell {index} fails with {name}, before reaching the learner's code; "
+                            "keep the learner's code inside functions so the rest of the lab still runs")
+    return problems
+
+
+def cells_that_fail(notebook) -> list[str]:
+    return [f"cell {index} raised {error_name(cell)}: {''.join(cell['source'])[:200]!r}"
+            for index, cell in enumerate(notebook["cells"])
+            if cell["cell_type"] == "code" and error_name(cell) is not None]
+
+
+def git_committed_text(path: Path) -> str | None:
+    """The file as last committed, or None when there is no git, no commit or no such file."""
+    relative = path.relative_to(REPO_ROOT).as_posix()
+    try:
+        shown = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"HEAD:{relative}"],
+                               capture_output=True, text=True, encoding="utf-8", timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return shown.stdout if shown.returncode == 0 else None
+
+
+def test_there_are_labs():
+    assert SOLUTIONS, "no solutions/NN_name.ipynb: the course has at least one lab"
+
+
+def test_labs_are_generated_from_solutions():
+    stale = []
+    for lab_path in labgen.stale_labs(REPO_ROOT / "solutions", REPO_ROOT / "labs", REPO_ROOT):
+        expected = labgen.generate_text(REPO_ROOT / "solutions" / lab_path.name, REPO_ROOT)
+        # A learner's own work in a lab leaves the committed lab as generated: that is fine.
+        if git_committed_text(lab_path) != expected:
+            stale.append(lab_path.relative_to(REPO_ROOT).as_posix())
+    assert not stale, f"stale labs {stale}: run `python -m shardlib labs` and commit the result"
+    orphans = labgen.orphan_labs(REPO_ROOT / "solutions", REPO_ROOT / "labs")
+    assert not orphans, f"labs without a solution to generate them from: {orphans}"
+
+
+@pytest.mark.parametrize("solution_path", SOLUTIONS, ids=[path.stem for path in SOLUTIONS])
+def test_checks_fail_on_lab_and_pass_on_solution(solution_path: Path):
+    lab = json.loads(labgen.generate_text(solution_path, REPO_ROOT))
+    assert check_cells(lab), f"{solution_path.name}: no cell tagged `check`, so nothing checks the learner's code"
+
+    executed_lab = execute(lab, cwd=REPO_ROOT / "labs")
+    assert not checks_that_pass_on_stub(executed_lab), checks_that_pass_on_stub(executed_lab)
+
+    solution = json.loads(solution_path.read_text(encoding="utf-8"))
+    executed_solution = execute(solution, cwd=solution_path.parent)
+    assert not cells_that_fail(executed_solution), cells_that_fail(executed_solution)
+    assert len(check_cells(executed_solution)) >= len(check_cells(lab))
+
+
+def test_a_check_that_cannot_fail_is_caught(tmp_path: Path):
+    """The machinery above on a tiny lab: one real check, one that passes whatever the code."""
+    def cell(source, tags=()):
+        return nbformat.v4.new_code_cell(source, metadata={"tags": list(tags)} if tags else {})
+
+    solution = nbformat.v4.new_notebook(cells=[
+        cell("def double(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION"),
+        cell("assert double(21) == 42", tags=["check"]),
+        cell("assert True", tags=["check"]),
+        cell("assert undefined_name", tags=["check"]),
+    ])
+    path = tmp_path / "99_double.ipynb"
+    path.write_text(nbformat.writes(solution), encoding="utf-8")
+    lab = execute(json.loads(labgen.generate_text(path, tmp_path)), cwd=tmp_path)
+    assert [error_name(c) for _, c in check_cells(lab)] == ["NotImplementedError", None, "NameError"]
+    problems = checks_that_pass_on_stub(lab)
+    assert len(problems) == 2 and "cell 3 passes" in problems[0] and "NameError" in problems[1], problems
+    assert cells_that_fail(execute(solution, cwd=tmp_path)) == [
+        "cell 3 raised NameError: 'assert undefined_name'"]

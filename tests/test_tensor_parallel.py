@@ -1,0 +1,258 @@
+"""Tensor parallelism against unsharded PyTorch: layers vs nn.Linear / nn.Embedding /
+F.cross_entropy, the GPT vs one device, the ledger vs the Megatron formula, and bad sizes.
+
+References are computed inside each rank from the full module built on the same seed, so
+every rank can compare its shard with the matching slice of the unsharded result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardlib import RankError, launch
+from shardlib.comm import comm_ledger
+from shardlib.models import GPTConfig, build_gpt
+from shardlib.reference import compare_state, model_loss
+from shardlib.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_full_state_dict
+from shardlib.tp_check import verify_tp
+from shardlib.tp_gpt import (VocabParallelEmbedding, check_tp_config, parallelize_gpt,
+                             vocab_parallel_cross_entropy)
+
+B, T, D_IN, D_OUT = 2, 8, 12, 24  # divisible by t = 1, 2, 3, 4
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _full_linear_pair(seed: int = 0):
+    """nn.Linear(D_IN, D_OUT) -> nn.Linear(D_OUT, D_IN), an input, and output weights for a loss."""
+    torch.manual_seed(seed)
+    first, second = nn.Linear(D_IN, D_OUT), nn.Linear(D_OUT, D_IN)
+    x = torch.randn(B, T, D_IN)
+    return first, second, x
+
+
+# ---------------------------------------------------------------------------------
+# layers
+
+
+def _column_vs_linear(gather_output: bool) -> list[bool]:
+    rank, t = dist.get_rank(), dist.get_world_size()
+    full, _, x = _full_linear_pair()
+    weights = torch.randn(B, T, D_OUT, generator=torch.Generator().manual_seed(7))  # loss = sum(w * y)
+    x_ref = x.clone().requires_grad_()
+    (full(x_ref) * weights).sum().backward()
+    y_ref = full(x).detach()
+
+    layer = ColumnParallelLinear.from_linear(full, gather_output=gather_output)
+    x_tp = x.clone().requires_grad_()
+    y = layer(x_tp)
+    cols = slice(rank * D_OUT // t, (rank + 1) * D_OUT // t)
+    (y * (weights if gather_output else weights[..., cols])).sum().backward()
+    return [_close(y, y_ref if gather_output else y_ref[..., cols]),  # (B, T, out) or (B, T, out/t)
+            _close(x_tp.grad, x_ref.grad),  # f: the all-reduce backward gives every rank the full dX
+            _close(layer.weight.grad, full.weight.grad[cols]),
+            _close(layer.bias.grad, full.bias.grad[cols])]
+
+
+def _row_vs_linear() -> list[bool]:
+    rank, t = dist.get_rank(), dist.get_world_size()
+    _, full, _ = _full_linear_pair()
+    x = torch.randn(B, T, D_OUT, generator=torch.Generator().manual_seed(3))
+    weights = torch.randn(B, T, D_IN, generator=torch.Generator().manual_seed(7))
+    x_ref = x.clone().requires_grad_()
+    y_ref = full(x_ref)
+    (y_ref * weights).sum().backward()
+
+    layer = RowParallelLinear.from_linear(full)
+    cols = slice(rank * D_OUT // t, (rank + 1) * D_OUT // t)
+    x_shard = x[..., cols].clone().requires_grad_()  # (B, T, in/t)
+    y = layer(x_shard)
+    (y * weights).sum().backward()
+    return [_close(y, y_ref.detach()),  # g: the all-reduce forward gives every rank the full Y
+            _close(x_shard.grad, x_ref.grad[..., cols]),
+            _close(layer.weight.grad, full.weight.grad[:, cols]),
+            _close(layer.bias.grad, full.bias.grad)]
+
+
+def _sequence_parallel_pair_vs_linear() -> list[bool]:
+    """Column -> GELU -> row under sequence parallelism: in and out are (B, T/t, C) shards."""
+    rank, t = dist.get_rank(), dist.get_world_size()
+    first, second, x = _full_linear_pair()
+    weights = torch.randn(B, T, D_IN, generator=torch.Generator().manual_seed(7))
+    x_ref = x.clone().requires_grad_()
+    y_ref = second(F.gelu(first(x_ref)))
+    (y_ref * weights).sum().backward()
+
+    column = ColumnParallelLinear.from_linear(first, sequence_parallel=True)
+    row = RowParallelLinear.from_linear(second, sequence_parallel=True)
+    rows = slice(rank * T // t, (rank + 1) * T // t)
+    x_shard = x[:, rows].clone().requires_grad_()  # (B, T/t, C)
+    y = row(F.gelu(column(x_shard)))  # (B, T/t, C)
+    (y * weights[:, rows]).sum().backward()
+    bias_grad = row.bias.grad.clone()
+    dist.all_reduce(bias_grad)  # the row bias saw only T/t positions: its gradient is partial
+    hidden = slice(rank * D_OUT // t, (rank + 1) * D_OUT // t)
+    return [_close(y, y_ref.detach()[:, rows]), _close(x_shard.grad, x_ref.grad[:, rows]),
+            _close(column.weight.grad, first.weight.grad[hidden]),
+            _close(row.weight.grad, second.weight.grad[:, hidden]), _close(bias_grad, second.bias.grad)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_column_and_row_parallel_match_nn_linear(world_size):
+    """Outputs, input gradients and weight/bias gradients equal the unsharded layer's slices."""
+    for fn in (_row_vs_linear, lambda: _column_vs_linear(False), lambda: _column_vs_linear(True)):
+        assert all(all(r) for r in launch(fn, world_size)), fn
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sequence_parallel_pair_matches_nn_linear(world_size):
+    assert all(all(r) for r in launch(_sequence_parallel_pair_vs_linear, world_size))
+
+
+def _vocab_parallel_vs_torch(vocab: int, scale: float) -> list[bool]:
+    rank, t = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    embedding = nn.Embedding(vocab, 6)
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    logits = (scale * torch.randn(B, T, vocab, generator=g)).requires_grad_()  # large: softmax overflows naively
+    targets = torch.randint(0, vocab, (B, T), generator=g)
+    loss_ref = F.cross_entropy(logits.view(-1, vocab), targets.view(-1))
+    loss_ref.backward()
+    emb_weights = torch.randn(B, T, 6, generator=g)
+    (embedding(ids) * emb_weights).sum().backward()
+
+    shard = slice(rank * vocab // t, (rank + 1) * vocab // t)
+    tp_embedding = VocabParallelEmbedding.from_embedding(embedding)
+    out = tp_embedding(ids)
+    (out * emb_weights).sum().backward()
+    local_logits = logits.detach()[..., shard].clone().requires_grad_()  # (B, T, V/t)
+    loss = vocab_parallel_cross_entropy(local_logits, targets)
+    loss.backward()
+    return [_close(out, embedding(ids).detach()), _close(tp_embedding.weight.grad, embedding.weight.grad[shard]),
+            bool(torch.isclose(loss, loss_ref, rtol=1e-6)), _close(local_logits.grad, logits.grad[..., shard])]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("scale", [1.0, 200.0])
+def test_vocab_parallel_embedding_and_cross_entropy_match_torch(world_size, scale):
+    assert all(all(r) for r in launch(_vocab_parallel_vs_torch, world_size, args=(32, scale)))
+
+
+# ---------------------------------------------------------------------------------
+# the GPT against one device
+
+
+@pytest.mark.parametrize("technique,world_size", [("tp", 1), ("tp", 2), ("tp", 4), ("tp-sp", 2), ("tp-sp", 4)])
+def test_gpt_matches_single_device(technique, world_size):
+    """5 AdamW steps of the small GPT: fp32 losses and gradients, fp64 parameters within 1e-5
+    relative of shardlib.reference's single-device run (see verify_tp for why fp64)."""
+    result = verify_tp(world_size, technique=technique)
+    assert result["passed"], result
+    assert result["max_rel_diff"] <= 1e-5
+
+
+def _round_trip(sequence_parallel: bool) -> bool:
+    model = build_gpt(GPTConfig(), seed=0)
+    tp = parallelize_gpt(model.state_dict(), config=model.config, sequence_parallel=sequence_parallel)
+    full = gather_full_state_dict(tp)
+    return compare_state(full, model.state_dict()) == (0.0, 0.0) and sum(p.numel() for p in tp.parameters()) < \
+        model.config.n_params * (1 if dist.get_world_size() == 1 else 0.6)
+
+
+def test_parallelize_then_gather_gives_the_checkpoint_back():
+    assert all(launch(_round_trip, 2, args=(False,)))
+
+
+# ---------------------------------------------------------------------------------
+# communication: two all-reduces of b*s*h per layer forward, two backward (arXiv 1909.08053)
+
+
+LEDGER_GPT = GPTConfig(n_layer=3, n_head=4, n_embd=32, seq_len=16)
+
+
+def _step_ledger(sequence_parallel: bool, b: int) -> tuple[list, list]:
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 256, (b, LEDGER_GPT.seq_len + 1))
+    model = parallelize_gpt(build_gpt(LEDGER_GPT, seed=0), sequence_parallel=sequence_parallel)
+    with comm_ledger() as forward:
+        loss = model_loss(model, (tokens[:, :-1], tokens[:, 1:]))
+    with comm_ledger() as backward:
+        loss.backward()
+    return ([(r.kind, r.nbytes // 4) for r in forward.records], [(r.kind, r.nbytes // 4) for r in backward.records])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ledger_two_all_reduces_per_layer_each_way(world_size):
+    b, s, h, L = 3, LEDGER_GPT.seq_len, LEDGER_GPT.n_embd, LEDGER_GPT.n_layer
+    for forward, backward in launch(_step_ledger, world_size, args=(False, b)):
+        # embedding, then per layer attention's g and the MLP's g, then the loss's max, target and sum-exp
+        assert forward == [("all_reduce", b * s * h)] * (1 + 2 * L) + [("all_reduce", b * s)] * 3
+        # per layer the MLP's f and attention's f, plus the output head's f
+        assert backward == [("all_reduce", b * s * h)] * (2 * L + 1)
+
+
+def test_ledger_sequence_parallel_same_bytes_as_all_reduce():
+    """Each all-reduce of b*s*h becomes a reduce-scatter + an all-gather of the same b*s*h."""
+    b, s, h, L = 2, LEDGER_GPT.seq_len, LEDGER_GPT.n_embd, LEDGER_GPT.n_layer
+    forward, backward = launch(_step_ledger, 2, args=(True, b))[0]
+    big = [kind for kind, n in forward if n == b * s * h]
+    assert big.count("reduce_scatter") == 1 + 2 * L and big.count("all_gather") == 2 * L + 1
+    assert [r for r in forward if r[1] != b * s * h] == [("all_reduce", b * s)] * 3
+    assert sorted(backward) == sorted([("reduce_scatter", b * s * h), ("all_gather", b * s * h)] * (2 * L + 1))
+
+
+def test_no_communication_at_t1():
+    forward, backward = launch(_step_ledger, 1, args=(False, 2))[0]
+    assert forward == [] and backward == []
+
+
+# ---------------------------------------------------------------------------------
+# bad sizes: clear errors, before any process starts where possible
+
+
+@pytest.mark.parametrize("config,t,what", [
+    (GPTConfig(n_head=4, n_embd=64), 3, "n_head"),
+    (GPTConfig(vocab_size=250, n_head=4, n_embd=64), 4, "vocab_size"),
+    (GPTConfig(n_head=6, n_embd=48, vocab_size=255), 2, "vocab_size=255"),
+    (GPTConfig(), 0, ">= 1"),
+])
+def test_indivisible_sizes_raise_naming_the_size(config, t, what):
+    with pytest.raises(ValueError, match=what):
+        check_tp_config(config, t)
+
+
+def test_sequence_parallel_needs_divisible_sequence():
+    with pytest.raises(ValueError, match="sequence length"):
+        check_tp_config(GPTConfig(seq_len=66, n_head=4), 4, sequence_parallel=True)
+
+
+def test_verify_rejects_bad_size_before_launching(monkeypatch):
+    import shardlib.tp_check as tp_check
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("launch must not be reached")
+
+    monkeypatch.setattr(tp_check, "launch", no_launch)
+    with pytest.raises(ValueError, match="n_head=4 is not divisible by the tensor-parallel size t=3"):
+        verify_tp(3)
+
+
+def _build_indivisible_linear():
+    ColumnParallelLinear(10, 15)
+
+
+def test_layer_with_indivisible_features_names_it_in_the_rank_error():
+    with pytest.raises(RankError, match="out_features=15 is not divisible"):
+        launch(_build_indivisible_linear, 2)
+
+
+def test_state_dict_without_config_is_refused():
+    with pytest.raises(ValueError, match="config"):
+        parallelize_gpt(build_gpt(GPTConfig(), seed=0).state_dict())
