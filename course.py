@@ -3,7 +3,7 @@
 
     python3 course.py             set up .venv if needed, then open JupyterLab at lesson 00
     python3 course.py test [ARGS] set up .venv if needed, then run all tests
-                                  (pytest over tests/, nbval over notebooks/ and solutions/);
+                                  (pytest over tests/, nbval over notebooks/; the lab solutions run in tests/test_labs.py);
                                   ARGS go to pytest, e.g. `-x`, `-k ring`, or paths to run only those
     python3 course.py labs [ARGS] regenerate labs/ from solutions/ (`python -m shardlib labs`)
 
@@ -28,7 +28,7 @@ STAMP = VENV / "course-stamp.txt"
 MIN_PYTHON = (3, 10)
 MIN_PIP = (21, 3)  # first pip that installs a pyproject project in editable mode (PEP 660)
 
-TEST_PATHS = ["tests", "notebooks", "solutions"]
+TEST_PATHS = ["tests", "notebooks"]  # solutions/ run in tests/test_labs.py, beside their stubs
 PYTEST_OPTIONS = [
     "--nbval-lax",  # notebooks: a cell fails only if it raises; checks are asserts in cells
     "--nbval-current-env",  # run notebooks with this environment's Python, whatever kernel they name
@@ -120,7 +120,7 @@ def run_tests(python: Path, extra: list) -> int:
     env = dict(os.environ)
     for name, value in TEST_ENV.items():
         env.setdefault(name, value)
-    say("running the tests: pytest over tests/, nbval over notebooks/ and solutions/"
+    say("running the tests: pytest over tests/ (lab solutions included), nbval over notebooks/"
         if paths else "running the tests you named")
     return call([python, "-m", "pytest", *paths, *PYTEST_OPTIONS, *extra], env=env)
 

@@ -15,6 +15,14 @@ import sys
 
 BENCHMARKS: dict[str, str] = {
     "allreduce": "shardlib.comm:bench_allreduce",
+    "ddp": "shardlib.data_parallel_checks:bench_ddp",
+    "finetune": "shardlib.finetune:bench_finetune",
+    "zero": "shardlib.zero_checks:bench_zero",
+    "tp": "shardlib.tp_check:bench_tp",
+    "pp": "shardlib.pipeline_checks:bench_pipeline",
+    "quant": "shardlib.quant:bench_quant",
+    "inference": "shardlib.serving:bench_inference",
+    "plan": "shardlib.plan:bench_plan",
 }
 
 

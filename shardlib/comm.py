@@ -26,6 +26,7 @@ algorithm above sends (the backend may pick another algorithm for small tensors)
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import statistics
 import time
@@ -163,30 +164,39 @@ def _collective_record(kind: str, ring_kind: str | None, payload, group) -> Comm
     return CommRecord(kind, nbytes, sent, ranks)
 
 
-def _describe(name: str, args, kwargs) -> CommRecord:
-    """Turn a torch.distributed call into a record. S is the full tensor of the collective."""
-    a = list(args) + [None] * 4
-    group = kwargs.get("group")
-    if name in ("send", "isend"):
-        peer = kwargs.get("dst", a[1])
-        return CommRecord("send", _nbytes(a[0] if a[0] is not None else kwargs.get("tensor")), _nbytes(a[0] if a[0] is not None else kwargs.get("tensor")), (peer,))
-    if name in ("recv", "irecv"):
-        peer = kwargs.get("src", a[1])
-        return CommRecord("recv", _nbytes(a[0] if a[0] is not None else kwargs.get("tensor")), 0, (peer,))
-    first = a[0] if a[0] is not None else next(iter(kwargs.values()), None)
+def _describe(name: str, signature: inspect.Signature, args, kwargs) -> CommRecord:
+    """Turn a torch.distributed call into a record. S is the full tensor of the collective.
+
+    Arguments are bound to the function's signature, so positional and keyword calls
+    (`all_reduce(t, op, group)` or `all_reduce(t, group=group)`) are read alike.
+    """
+    bound = signature.bind_partial(*args, **kwargs).arguments
+    values = list(bound.values())
+    group = bound.get("group")
+    if name in ("send", "isend", "recv", "irecv"):
+        tensor = bound.get("tensor", values[0] if values else None)
+        peer = bound.get("dst" if "send" in name else "src")
+        if peer is None and group is not None:  # a group-relative peer: translate to a global rank
+            group_peer = bound.get("group_dst" if "send" in name else "group_src")
+            peer = None if group_peer is None else dist.get_global_rank(group, group_peer)
+        sent = _nbytes(tensor) if "send" in name else 0
+        return CommRecord("send" if "send" in name else "recv", _nbytes(tensor), sent, (peer,))
+    first = values[0] if values else None
+    second = values[1] if len(values) > 1 else None
     if name == "all_reduce":
         return _collective_record("all_reduce", "all_reduce", first, group)
     if name in ("all_gather_into_tensor", "all_gather_single", "all_gather"):
         return _collective_record("all_gather", "all_gather", first, group)  # output: the full S
     if name in ("reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter"):
-        return _collective_record("reduce_scatter", "reduce_scatter", a[1] if a[1] is not None else kwargs.get("input"), group)
+        return _collective_record("reduce_scatter", "reduce_scatter", second, group)  # input: the full S
     if name == "broadcast":
         return _collective_record("broadcast", "broadcast", first, group)
     if name in ("all_to_all_single", "all_to_all"):
-        record = _collective_record("all_to_all", None, a[1] if a[1] is not None else kwargs.get("input"), group)
+        record = _collective_record("all_to_all", None, second, group)
         record.sent_bytes = int(record.nbytes * (len(record.peers) - 1) / max(len(record.peers), 1))
         return record
-    return _collective_record(name, None, first, group)  # barrier, reduce, gather, scatter...
+    payload = first if isinstance(first, (torch.Tensor, list, tuple)) else None  # barrier(group) has none
+    return _collective_record(name, None, payload, group)  # barrier, reduce, gather, scatter...
 
 
 _RECORDED = ("send", "recv", "isend", "irecv", "all_reduce", "all_gather", "all_gather_into_tensor",
@@ -195,12 +205,14 @@ _RECORDED = ("send", "recv", "isend", "irecv", "all_reduce", "all_gather", "all_
 
 
 def _recording(name: str, original):
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         global _inside_recorded_call
         if _inside_recorded_call or not _open_ledgers:
             return original(*args, **kwargs)
-        record = _describe(name, args, kwargs)
+        record = _describe(name, signature, args, kwargs)
         for ledger in _open_ledgers:
             ledger.records.append(record)
         _inside_recorded_call = True

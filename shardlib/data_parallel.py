@@ -125,7 +125,7 @@ class DistributedDataParallel(nn.Module):
     """Wrap a module for data-parallel training with bucketed all-reduces overlapped with backward.
 
     module: the model, the same architecture on every rank; its parameters are overwritten
-        with rank `broadcast_from`'s at construction.
+        with global rank `broadcast_from`'s at construction (None: the group's first rank).
     bucket_cap_mb: bucket size in MiB (2**20 bytes), as PyTorch's argument of the same name.
     group: the process group (None: all ranks).
     ring: all-reduce buckets with shardlib.comm.ring_all_reduce (blocking, so no overlap; the
@@ -138,7 +138,7 @@ class DistributedDataParallel(nn.Module):
     autograd ends); `finish_gradient_sync()` is that wait, and may be called again harmlessly.
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group=None, broadcast_from: int = 0,
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group=None, broadcast_from: int | None = None,
                  ring: bool = False, record_timeline: bool = False):
         super().__init__()
         if not bucket_cap_mb > 0:
@@ -150,6 +150,8 @@ class DistributedDataParallel(nn.Module):
         self.world_size = dist.get_world_size(group)
         self.require_backward_grad_sync = True  # PyTorch's name for what no_sync() turns off
         self.timeline: list[tuple[float, str, int]] | None = [] if record_timeline else None
+        if broadcast_from is None:
+            broadcast_from = dist.get_process_group_ranks(group or dist.group.WORLD)[0]
         broadcast_parameters(module, src=broadcast_from, group=group)
         indices = assign_buckets([p for _, p in named], int(bucket_cap_mb * 2**20))
         self.buckets = [_make_bucket([named[i] for i in bucket]) for bucket in indices]

@@ -20,6 +20,23 @@ CHECKS: dict[str, tuple[str, tuple[int, ...]]] = {
     "allgather": ("shardlib.comm:verify_collective", (1, 2, 3, 4)),
     "reducescatter": ("shardlib.comm:verify_collective", (1, 2, 3, 4)),
     "broadcast": ("shardlib.comm:verify_collective", (1, 2, 3, 4)),
+    "dp": ("shardlib.data_parallel_checks:verify_data_parallel", (1, 2, 3, 4)),
+    "ddp": ("shardlib.data_parallel_checks:verify_data_parallel", (1, 2, 3, 4)),
+    "pp-naive": ("shardlib.pipeline_checks:verify_pipeline", (2, 4)),
+    "pp-gpipe": ("shardlib.pipeline_checks:verify_pipeline", (2, 4)),
+    "pp-1f1b": ("shardlib.pipeline_checks:verify_pipeline", (2, 4)),
+    "zero1": ("shardlib.zero_checks:verify_zero", (1, 2, 3, 4)),
+    "zero2": ("shardlib.zero_checks:verify_zero", (1, 2, 3, 4)),
+    "zero3": ("shardlib.zero_checks:verify_zero", (1, 2, 3, 4)),
+    "tp": ("shardlib.tp_check:verify_tp", (1, 2, 4)),
+    "tp-sp": ("shardlib.tp_check:verify_tp", (1, 2, 4)),
+    "quant_shard": ("shardlib.quant_shard:verify_quant_shard", (1, 2, 3, 4)),
+    "dp-tp": ("shardlib.hybrid_checks:verify_hybrid", (4,)),
+    "zero3-tp": ("shardlib.hybrid_checks:verify_hybrid", (4,)),
+    "dp-pp": ("shardlib.hybrid_checks:verify_hybrid", (4,)),
+    "pp-tp": ("shardlib.hybrid_checks:verify_hybrid", (4,)),
+    "dp-pp-tp": ("shardlib.hybrid_checks:verify_hybrid", (8,)),
+    "hsdp": ("shardlib.hybrid_checks:verify_hybrid", (4,)),
 }
 
 

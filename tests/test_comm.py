@@ -315,3 +315,19 @@ def test_fit_recovers_alpha_and_bandwidth(kind, n):
     fitted = fit_alpha_beta(kind, n, sizes, noisy)
     assert fitted.bandwidth == pytest.approx(bandwidth, rel=0.05)
     assert fitted.alpha == pytest.approx(alpha, rel=0.05)  # an unweighted fit misses by ~30% here
+
+
+def _positional_group_calls():
+    group = dist.new_group([0, 1])
+    with comm_ledger() as ledger:
+        if dist.get_rank() < 2:
+            dist.all_reduce(torch.ones(3), dist.ReduceOp.SUM, group)  # group passed positionally
+            dist.broadcast(torch.ones(2), 0, group)
+            dist.barrier(group)
+    return [(r.kind, r.peers) for r in ledger.records]
+
+
+def test_ledger_reads_a_group_passed_positionally():
+    records = launch(_positional_group_calls, 3, timeout=60)
+    expected = [("all_reduce", (0, 1)), ("broadcast", (0, 1)), ("barrier", (0, 1))]
+    assert records == [expected, expected, []]

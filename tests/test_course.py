@@ -83,7 +83,7 @@ def test_windows_interpreter_path(course, monkeypatch, tmp_path: Path):
 
 def test_test_command_runs_everything_unless_given_paths():
     course = load_course()
-    assert course.TEST_PATHS == ["tests", "notebooks", "solutions"]
+    assert course.TEST_PATHS == ["tests", "notebooks"]
     assert "--nbval-current-env" in course.PYTEST_OPTIONS and "--nbval-lax" in course.PYTEST_OPTIONS
     assert not course.uses_own_paths(["-x", "-k", "ring"])
     assert course.uses_own_paths(["tests/test_course.py::test_windows_interpreter_path"])
