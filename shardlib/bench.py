@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import statistics
 import sys
+import time
 
 BENCHMARKS: dict[str, str] = {
     "allreduce": "shardlib.comm:bench_allreduce",
@@ -24,6 +26,29 @@ BENCHMARKS: dict[str, str] = {
     "inference": "shardlib.serving:bench_inference",
     "plan": "shardlib.plan:bench_plan",
 }
+
+
+def interleaved_step_times(runs: dict, batch, loss_fn, repeats: int, warmup: int = 2) -> dict:
+    """Median seconds of one training step for each (model, optimizer) in `runs`, on this rank.
+
+    The implementations take turns, in alternating order, step after step, each step
+    started together on every rank (barrier), so all of them see the same machine.
+    """
+    import torch.distributed as dist
+
+    names = list(runs)
+    times = {name: [] for name in names}
+    for i in range(repeats + warmup):
+        for name in (names if i % 2 else names[::-1]):
+            model, optimizer = runs[name]
+            dist.barrier()
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model, batch).backward()
+            optimizer.step()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main(names: list[str] | None, as_json: bool, quick: bool = False) -> int:

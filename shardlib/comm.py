@@ -330,10 +330,12 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     me, n, left, right = _ring(group)
     if n == 1:
         return tensor
-    chunks = _padded_chunks(tensor, n)  # (N, c)
+    in_place = tensor.is_contiguous() and tensor.numel() % n == 0
+    chunks = tensor.view(n, -1) if in_place else _padded_chunks(tensor, n)  # (N, c): no copy when N divides
     _reduce_scatter_chunks(chunks, me, n, left, right, group)
     _all_gather_chunks(chunks, me, n, left, right, group)
-    tensor.copy_(chunks.reshape(-1)[: tensor.numel()].view_as(tensor))
+    if not in_place:
+        tensor.copy_(chunks.reshape(-1)[: tensor.numel()].view_as(tensor))
     return tensor
 
 

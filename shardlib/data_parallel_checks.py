@@ -10,8 +10,6 @@ model, same ranks, steps interleaved, median step times.
 
 from __future__ import annotations
 
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -19,6 +17,7 @@ import torch.nn as nn
 
 from shardlib.comm import comm_ledger
 from shardlib.data_parallel import DistributedDataParallel, all_reduce_gradients
+from shardlib.bench import interleaved_step_times
 from shardlib.launch import launch
 from shardlib.models import GPTConfig, build_gpt, build_mlp, mlp_batch
 from shardlib.reference import compare_state, model_loss, rank_slice, train_reference
@@ -122,18 +121,7 @@ def _time_steps(config: GPTConfig, batch_per_rank: int, bucket_cap_mb: float, re
     for name, wrap in (("ours", DistributedDataParallel), ("torch", TorchDDP)):
         model = build_gpt(config, seed=0)
         runs[name] = (wrap(model, bucket_cap_mb=bucket_cap_mb), torch.optim.AdamW(model.parameters(), lr=1e-3))
-    times = {name: [] for name in runs}
-    for i in range(repeats + 2):  # two warm-up rounds
-        for name in (("ours", "torch") if i % 2 else ("torch", "ours")):
-            wrapped, optimizer = runs[name]
-            dist.barrier()
-            start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            model_loss(wrapped, batch).backward()
-            optimizer.step()
-            if i >= 2:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return interleaved_step_times(runs, batch, model_loss, repeats)
 
 
 def bench_ddp(quick: bool = False) -> list[dict]:

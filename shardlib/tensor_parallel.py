@@ -220,7 +220,8 @@ class ColumnParallelLinear(nn.Module):
         return GatherFromTensorParallelRegion.apply(y, self.group) if self.gather_output else y
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, **options) -> "ColumnParallelLinear":
+    def from_linear(cls, linear: nn.Linear, group=None, **options):
+        """This rank's shard of a full nn.Linear (same weights as `linear`)."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, **options)
         layer.to(linear.weight.dtype)
         load_shards(layer, linear.state_dict(), group)
@@ -250,12 +251,7 @@ class RowParallelLinear(nn.Module):
         y = exit_tp_region(partial, self.group, self.sequence_parallel)  # (B, T, out) or (B, T/t, out)
         return y if self.bias is None else y + self.bias
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, **options) -> "RowParallelLinear":
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, **options)
-        layer.to(linear.weight.dtype)
-        load_shards(layer, linear.state_dict(), group)
-        return layer
+    from_linear = classmethod(ColumnParallelLinear.from_linear.__func__)  # the same: cut the full layer's tensors
 
 
 def _reset_like_linear(weight: nn.Parameter, bias: nn.Parameter | None, fan_in: int) -> None:

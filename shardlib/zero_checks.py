@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -21,6 +19,7 @@ import torch.nn as nn
 from shardlib import memory
 from shardlib.comm import comm_ledger
 from shardlib.fsdp import full_state_dict, fully_shard
+from shardlib.bench import interleaved_step_times
 from shardlib.launch import launch
 from shardlib.models import GPTConfig, build_gpt, build_mlp, mlp_batch
 from shardlib.reference import compare_state, model_loss, rank_slice, train_reference
@@ -222,19 +221,9 @@ def _time_zero_steps(config: GPTConfig, batch_per_rank: int, repeats: int) -> di
     batch = (tokens[:, :-1], tokens[:, 1:])  # (B/N, T) each
     runs = {"zero1": {"ours": _ours(config, 1), "torch": _torch_zero1(config)},
             "zero3": {"ours": _ours(config, 3), "torch": _torch_fsdp2(config)}}
-    times = {(case, impl): [] for case in runs for impl in ("ours", "torch")}
-    for i in range(repeats + 2):  # two warm-up rounds
-        for case, pair in runs.items():
-            for impl in (("ours", "torch") if i % 2 else ("torch", "ours")):
-                model, optimizer = pair[impl]
-                dist.barrier()
-                start = time.perf_counter()
-                optimizer.zero_grad(set_to_none=True)
-                model_loss(model, batch).backward()
-                optimizer.step()
-                if i >= 2:
-                    times[(case, impl)].append(time.perf_counter() - start)
-    return {key: (statistics.median(ts), _held(*runs[key[0]][key[1]])) for key, ts in times.items()}
+    flat = {(case, impl): pair[impl] for case, pair in runs.items() for impl in ("ours", "torch")}
+    medians = interleaved_step_times(flat, batch, model_loss, repeats)
+    return {key: (seconds, _held(*flat[key])) for key, seconds in medians.items()}
 
 
 def bench_zero(quick: bool = False) -> list[dict]:
