@@ -19,8 +19,8 @@ from shardlib.comm import comm_ledger
 from shardlib.data_parallel import DistributedDataParallel, all_reduce_gradients
 from shardlib.bench import interleaved_step_times
 from shardlib.launch import launch
-from shardlib.models import GPTConfig, build_gpt, build_mlp, mlp_batch
-from shardlib.reference import compare_state, model_loss, rank_slice, train_reference
+from shardlib.models import GPTConfig, build_gpt, build_mlp, mlp_batch, random_token_batches
+from shardlib.reference import compare_state, freeze_inert_key_biases, model_loss, rank_slice, train_reference
 
 
 _GPT = GPTConfig(seq_len=16, n_layer=2, n_head=4, n_embd=32)
@@ -33,10 +33,7 @@ def _build(kind: str, seed: int) -> nn.Module:
     up to full-size steps (comparing them would compare noise). They also test the frozen path."""
     if kind == "mlp":
         return build_mlp(seed, **_MLP)
-    model = build_gpt(_GPT, seed=seed)
-    for block in model.blocks:
-        block.attn.k_proj.bias.requires_grad_(False)
-    return model
+    return freeze_inert_key_biases(build_gpt(_GPT, seed=seed))
 
 
 def _psi(kind: str) -> int:
@@ -50,9 +47,7 @@ def _psi(kind: str) -> int:
 def _global_batches(kind: str, steps: int, batch_size: int = 12) -> list:
     if kind == "mlp":
         return [mlp_batch(batch_size, seed=step) for step in range(steps)]
-    g = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(0, _GPT.vocab_size, (batch_size, _GPT.seq_len + 1), generator=g) for _ in range(steps)]
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]  # (B, T) inputs, (B, T) next-token targets
+    return random_token_batches(_GPT, batch_size, steps)
 
 
 def _adamw(params) -> torch.optim.Optimizer:

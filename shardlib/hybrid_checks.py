@@ -24,8 +24,8 @@ from shardlib.comm import comm_ledger
 from shardlib.hybrid import HybridGPT
 from shardlib.launch import launch
 from shardlib.mesh import Mesh
-from shardlib.models import GPTConfig, build_gpt
-from shardlib.reference import compare_state, model_loss, rank_slice, train_reference
+from shardlib.models import GPTConfig, build_gpt, random_token_batches
+from shardlib.reference import compare_state, freeze_inert_key_biases, model_loss, rank_slice, train_reference
 
 CHECK_GPT = GPTConfig(seq_len=16, n_layer=2, n_head=4, n_embd=32)
 BATCH, STEPS, LR = 8, 5, 3e-4
@@ -41,17 +41,11 @@ LAYOUTS = {
 
 
 def build_check_gpt(seed: int = 0):
-    model = build_gpt(CHECK_GPT, seed=seed)
-    for block in model.blocks:
-        block.attn.k_proj.bias.requires_grad_(False)  # exact gradient zero: see the module docstring
-    return model
+    return freeze_inert_key_biases(build_gpt(CHECK_GPT, seed=seed))
 
 
 def global_batches(steps: int = STEPS, batch_size: int = BATCH) -> list:
-    g = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(0, CHECK_GPT.vocab_size, (batch_size, CHECK_GPT.seq_len + 1), generator=g)
-              for _ in range(steps)]
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]  # (B, s) inputs, (B, s) next-token targets
+    return random_token_batches(CHECK_GPT, batch_size, steps)
 
 
 def _adamw(params):

@@ -203,6 +203,13 @@ def load_course_text() -> torch.Tensor:
     return encode(COURSE_TEXT.read_text(encoding="utf-8"))
 
 
+def random_token_batches(config: GPTConfig, batch_size: int, n_batches: int, seed: int = 0) -> list:
+    """`n_batches` (inputs, next-token targets) pairs of uniformly random tokens, (B, T) each."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, config.vocab_size, (batch_size, config.seq_len + 1), generator=g) for _ in range(n_batches)]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]  # (B, T) inputs, (B, T) targets shifted by one
+
+
 def text_batches(batch_size: int, seq_len: int, n_batches: int, seed: int = 0, tokens: torch.Tensor | None = None):
     """`n_batches` (inputs, targets) pairs of shape (batch_size, seq_len), windows drawn from `seed`."""
     tokens = load_course_text() if tokens is None else tokens

@@ -29,39 +29,25 @@ import torch.nn as nn
 
 from shardlib.comm import comm_ledger
 from shardlib.launch import launch
-from shardlib.models import GPTConfig, build_gpt
+from shardlib.models import GPTConfig, build_gpt, random_token_batches
 from shardlib.pipeline import check_pipeline, gpt_stage, pipeline_step
 from shardlib.pipeline_schedules import bubble_formula, measured_bubble
-from shardlib.reference import model_loss, train_reference
+from shardlib.reference import INERT_KEY_BIAS, model_loss, train_reference
 
 VERIFY_GPT = GPTConfig(seq_len=16, n_layer=4, n_head=4, n_embd=32)
 # The key bias shifts every score of a query by the same amount, which softmax ignores: its gradient is
 # zero in exact arithmetic, and what autograd returns is rounding noise. Compared by absolute size.
-ZERO_GRADIENT = "attn.k_proj.bias"
 
 
 def text_like_batches(config: GPTConfig, steps: int, batch_size: int) -> list:
-    g = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(0, config.vocab_size, (batch_size, config.seq_len + 1), generator=g) for _ in range(steps)]
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]  # (b, T) inputs, (b, T) next-token targets
+    return random_token_batches(config, batch_size, steps)
 
 
 def train_accumulating(batches: list, n_microbatches: int) -> tuple[nn.Module, list[float]]:
-    """One device, gradient accumulation: per step, backward of loss/m for each micro-batch in
-    turn, then one AdamW step. The same floating-point sums as the pipeline, in the same order."""
-    model = build_gpt(VERIFY_GPT, seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for inputs, targets in batches:
-        optimizer.zero_grad(set_to_none=True)
-        loss = 0.0
-        for micro_batch in zip(inputs.chunk(n_microbatches), targets.chunk(n_microbatches)):
-            micro_loss = model_loss(model, micro_batch) / n_microbatches
-            micro_loss.backward()
-            loss += micro_loss.item()
-        optimizer.step()
-        losses.append(loss)
-    return model, losses
+    """One device, gradient accumulation over the pipeline's micro-batches, then one AdamW step:
+    the same floating-point sums as the pipeline, in the same order."""
+    return train_reference(lambda: build_gpt(VERIFY_GPT, seed=0), batches,
+                           lambda params: torch.optim.AdamW(params, lr=1e-2), micro_batches=n_microbatches)
 
 
 def _train_on_rank(schedule: str, microbatch_counts: list[int], steps: int, batch_size: int) -> dict:
@@ -105,7 +91,7 @@ def _differences(ours: dict, reference: dict) -> tuple[float, float, float]:
     max_abs, max_rel, zero_grad = 0.0, 0.0, 0.0
     for name, ref in reference.items():
         diff = (ours[name] - ref).abs().max().item()
-        if name.endswith(ZERO_GRADIENT):
+        if name.endswith(INERT_KEY_BIAS):
             zero_grad = max(zero_grad, diff)
         else:
             max_abs, max_rel = max(max_abs, diff), max(max_rel, diff / ref.abs().max().item())
@@ -157,7 +143,7 @@ def verify_pipeline(world_size: int, technique: str = "pp-1f1b", steps: int = 5)
             problems.append(f"m={m}: peak stashed micro-batches {peaks}, expected {expected}")
     passed = max_rel <= 1e-5 and zero_grad <= 1e-4 and not problems
     detail = (f"m in {microbatch_counts}, b={batch_size}; ledger {'ok' if not problems else 'DIFFERS'}; "
-              f"{ZERO_GRADIENT} |diff| {zero_grad:.0e}; params vs whole-batch AdamW (info) {whole_rel:.0e}")
+              f"{INERT_KEY_BIAS} |diff| {zero_grad:.0e}; params vs whole-batch AdamW (info) {whole_rel:.0e}")
     return {"passed": passed, "max_abs_diff": max_abs, "max_rel_diff": max_rel,
             "detail": detail + ("; " + "; ".join(problems[:3]) if problems else "")}
 
@@ -271,7 +257,7 @@ def _time_against_torch(m: int, repeats: int) -> dict:
             if i > 0:
                 times[name].append(time.perf_counter() - start)
     grads = [((a.grad - b.grad).abs().max() / b.grad.abs().max()).item()
-             for (name, a), b in zip(ours.named_parameters(), theirs.parameters()) if not name.endswith(ZERO_GRADIENT)]
+             for (name, a), b in zip(ours.named_parameters(), theirs.parameters()) if not name.endswith(INERT_KEY_BIAS)]
     return {"ours": statistics.median(times["ours"]), "torch": statistics.median(times["torch"]),
             "grad_rel": max(grads)}
 

@@ -14,6 +14,19 @@ import torch.nn as nn
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
+# The GPT's key bias has an exactly zero gradient: softmax ignores a shift common to all the
+# scores of a row, and q . (k + b) shifts every score of a row by q . b. In fp32 that gradient
+# is rounding noise (~1e-12) which Adam, dividing by its own running size, turns into full-size
+# steps. Checks freeze it (`freeze_inert_key_biases`) or compare it absolutely, never relatively.
+INERT_KEY_BIAS = "attn.k_proj.bias"
+
+
+def freeze_inert_key_biases(gpt: nn.Module) -> nn.Module:
+    """Stop training every block's key bias (see INERT_KEY_BIAS); returns the model."""
+    for block in gpt.blocks:
+        block.attn.k_proj.bias.requires_grad_(False)
+    return gpt
+
 
 def rank_slice(batch: Batch, rank: int, world_size: int) -> Batch:
     """This rank's contiguous share of a global batch: (B, ...) -> (B/N, ...)."""
@@ -39,17 +52,25 @@ def train_reference(
     batches: Iterable[Batch],
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = lambda p: torch.optim.AdamW(p, lr=1e-2),
     loss_fn: Callable[[nn.Module, Batch], torch.Tensor] = model_loss,
+    micro_batches: int = 1,
 ) -> tuple[nn.Module, list[float]]:
-    """Train on one device, one optimizer step per global batch; return (model, losses)."""
+    """Train on one device, one optimizer step per global batch; return (model, losses).
+
+    micro_batches > 1: each step accumulates the gradients of loss/m over the batch's m
+    micro-batches in turn (the sums a pipeline makes, in its order) before stepping.
+    """
     model = build_model()
     optimizer = make_optimizer(model.parameters())
     losses = []
-    for batch in batches:
+    for inputs, targets in batches:
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model, batch)
-        loss.backward()
+        loss = 0.0
+        for micro_batch in zip(inputs.chunk(micro_batches), targets.chunk(micro_batches)):
+            micro_loss = loss_fn(model, micro_batch) / micro_batches
+            micro_loss.backward()
+            loss += micro_loss.item()
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(loss)
     return model, losses
 
 

@@ -10,16 +10,15 @@ bench: shardlib's Megatron block beside PyTorch's own tensor parallelism
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from shardlib.comm import comm_ledger
+from shardlib.bench import interleaved_step_times
 from shardlib.launch import launch
-from shardlib.models import GPT, Block, GPTConfig, build_gpt
-from shardlib.reference import compare_state, model_loss, train_reference
+from shardlib.models import GPT, Block, GPTConfig, build_gpt, random_token_batches
+from shardlib.reference import compare_state, freeze_inert_key_biases, model_loss, train_reference
 from shardlib.tensor_parallel import gather_full_state_dict
 from shardlib.tp_gpt import check_tp_config, parallelize_block, parallelize_gpt, sync_sequence_parallel_grads
 
@@ -28,19 +27,13 @@ _CHECK_BATCH, _CHECK_STEPS = 4, 5
 
 
 def _check_batches() -> list:
-    g = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(0, _CHECK_GPT.vocab_size, (_CHECK_BATCH, _CHECK_GPT.seq_len + 1), generator=g)
-              for _ in range(_CHECK_STEPS)]
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]  # (B, T) inputs, (B, T) next-token targets
+    return random_token_batches(_CHECK_GPT, _CHECK_BATCH, _CHECK_STEPS)
 
 
 def _check_gpt(dtype: torch.dtype) -> GPT:
     """Key biases frozen: softmax ignores a shift common to all keys, so their exact gradient is
     zero and the computed one is rounding noise that Adam would scale up to full steps."""
-    model = build_gpt(_CHECK_GPT, seed=0).to(dtype)
-    for block in model.blocks:
-        block.attn.k_proj.bias.requires_grad_(False)
-    return model
+    return freeze_inert_key_biases(build_gpt(_CHECK_GPT, seed=0).to(dtype))
 
 
 def _adamw(params) -> torch.optim.Optimizer:
@@ -162,19 +155,9 @@ def _time_block_steps(batch_size: int, repeats: int) -> dict:
     x = torch.randn(batch_size, _BENCH_GPT.seq_len, _BENCH_GPT.n_embd, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out_diff = (ours(x) - theirs(x)).abs().max().item()  # (B, T, C) both: the same function
-    runs = {"ours": ours, "torch": theirs}
-    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in runs.items()}
-    times = {name: [] for name in runs}
-    for step in range(repeats + 2):  # two warm-up steps
-        for name, module in runs.items():
-            dist.barrier()
-            start = time.perf_counter()
-            optimizers[name].zero_grad(set_to_none=True)
-            module(x).square().mean().backward()
-            optimizers[name].step()
-            if step >= 2:
-                times[name].append(time.perf_counter() - start)
-    return {"ours": statistics.median(times["ours"]), "torch": statistics.median(times["torch"]), "out_diff": out_diff}
+    runs = {name: (m, torch.optim.AdamW(m.parameters(), lr=1e-3)) for name, m in (("ours", ours), ("torch", theirs))}
+    medians = interleaved_step_times(runs, x, lambda module, x: module(x).square().mean(), repeats)
+    return dict(medians, out_diff=out_diff)
 
 
 def bench_tp(quick: bool = False, world_size: int = 2) -> list[dict]:

@@ -21,17 +21,15 @@ from shardlib.comm import comm_ledger
 from shardlib.fsdp import full_state_dict, fully_shard
 from shardlib.bench import interleaved_step_times
 from shardlib.launch import launch
-from shardlib.models import GPTConfig, build_gpt, build_mlp, mlp_batch
-from shardlib.reference import compare_state, model_loss, rank_slice, train_reference
+from shardlib.models import GPTConfig, build_gpt, build_mlp, mlp_batch, random_token_batches
+from shardlib.reference import INERT_KEY_BIAS, compare_state, model_loss, rank_slice, train_reference
 from shardlib.zero import ZeroOptimizer
 
 MLP = dict(d_in=13, hidden=29, n_blocks=2, n_out=3)  # Psi = 1634: N = 3 and 4 need padding
 GPT = GPTConfig(seq_len=16, n_layer=2, n_head=4, n_embd=32)  # Psi = 42368; units pad at N = 3
-# Softmax ignores a constant added to every score of a row, so the key bias gets a gradient
-# of exactly zero, computed as rounding noise (~1e-12); Adam divides it by its eps, and the
-# result is noise (about lr/1000 here) that differs with thread count or batch split. It is checked to stay
-# that small (a real gradient would move it by ~lr per step) instead of relative to itself.
-ZERO_GRADIENT_PARAMS = ("attn.k_proj.bias",)
+# The key bias's gradient is rounding noise (reference.INERT_KEY_BIAS); after Adam it is noise
+# of about lr/1000 here, so it is checked to stay that small (a real gradient would move it by
+# ~lr per step) instead of relative to itself.
 # Adam's first steps move each element by about lr * sign(gradient), so where a gradient is
 # near zero a rounding difference of 1e-7 (another summation order) becomes a difference of
 # up to lr. On the GPT, lr = 1e-2 turns that into ~2e-5 relative (measured), lr = 3e-4 into ~3e-6.
@@ -55,9 +53,7 @@ def global_batches(kind: str, steps: int, batch_size: int = 12) -> list:
     """The same global batches on every rank and on the reference; 12 splits over N = 1, 2, 3, 4."""
     if kind == "mlp":
         return [mlp_batch(batch_size, d_in=MLP["d_in"], n_out=MLP["n_out"], seed=step) for step in range(steps)]
-    g = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(0, GPT.vocab_size, (batch_size, GPT.seq_len + 1), generator=g) for _ in range(steps)]
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]  # (B, T) inputs, (B, T) next-token targets
+    return random_token_batches(GPT, batch_size, steps)
 
 
 # ---------------------------------------------------------------------------------
@@ -138,7 +134,7 @@ def _reference_on_rank(steps: int) -> dict:
 
 def compare_with_reference(state: dict, reference: dict, lr: float, steps: int) -> tuple[float, float, bool]:
     """(max abs diff, max rel diff, ok): per tensor, relative 1e-5; the zero-gradient tensors stay noise."""
-    noisy = [k for k in reference if k.endswith(ZERO_GRADIENT_PARAMS)]
+    noisy = [k for k in reference if k.endswith(INERT_KEY_BIAS)]
     clean = {k: v for k, v in reference.items() if k not in noisy}
     max_abs, max_rel = compare_state({k: state[k] for k in clean}, clean)
     noise_ok = all(state[k].abs().max() <= 0.01 * lr * steps for k in noisy)
@@ -250,7 +246,7 @@ def bench_zero(quick: bool = False) -> list[dict]:
 
 def _held_by_stage(config: GPTConfig, param_dtype) -> dict:
     """Bytes this rank holds after one step, for stages 1, 2, 3 on the same model."""
-    rank, n = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     g = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, config.vocab_size, (2, config.seq_len + 1), generator=g)
     held = {}

@@ -19,7 +19,7 @@ from shardlib.comm import comm_ledger, ring_sent_bytes
 from shardlib.data_parallel import DistributedDataParallel, all_reduce_gradients, assign_buckets
 from shardlib.data_parallel_checks import verify_data_parallel
 from shardlib.models import GPTConfig, build_gpt, build_mlp, mlp_batch
-from shardlib.reference import compare_state, model_loss, rank_slice, train_reference
+from shardlib.reference import compare_state, freeze_inert_key_biases, model_loss, rank_slice, train_reference
 
 SMALL_GPT = GPTConfig(seq_len=16, n_layer=2, n_head=4, n_embd=32)
 
@@ -27,10 +27,7 @@ SMALL_GPT = GPTConfig(seq_len=16, n_layer=2, n_head=4, n_embd=32)
 def build_small_gpt(seed: int = 0) -> nn.Module:
     """The GPT with its key biases frozen: their exact gradient is zero (softmax ignores a shift
     common to all keys), so in fp32 it is rounding noise that Adam would turn into full steps."""
-    model = build_gpt(SMALL_GPT, seed=seed)
-    for block in model.blocks:
-        block.attn.k_proj.bias.requires_grad_(False)
-    return model
+    return freeze_inert_key_biases(build_gpt(SMALL_GPT, seed=seed))
 
 
 def gpt_batches(steps: int, batch_size: int, seed: int = 0) -> list:
