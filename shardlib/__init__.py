@@ -1,11 +1,30 @@
-"""shardlib: model sharding from scratch, one technique per file.
+"""shardlib: model sharding from scratch, one technique per file, one folder per part of the course.
 
-The library behind the sharding course. Each module implements one technique and
-states, in its docstring, its per-rank memory and per-step communication in the
-course's notation (Psi parameters, N ranks, p stages, m micro-batches, t tensor-
-parallel size), with the paper it follows.
+    launch, mesh, models, reference, memory    the foundations every lesson uses
+    comm/        collectives from scratch, the ledger of bytes sent, the alpha-beta cost (lesson 01)
+    parallel/    data, ZeRO/FSDP, tensor, pipeline and hybrid parallelism (lessons 02-06)
+    inference/   generation and serving under each layout (lessons 06, 10)
+    compress/    quantization and pruning (lesson 07)
+    plan/        the layout planner and its command line (lesson 06)
+    finetune/    fine-tuning a real model with Accelerate + FSDP (lesson 08)
+    checks/      every technique against a single-device reference: `python -m shardlib verify`, `bench`
+    lessons/     measurements and plots only the notebooks use
+    course/      the course's own tooling (lab generation)
+
+Each technique's docstring states, in the course's notation (Psi parameters, N ranks, p stages,
+m micro-batches, t tensor-parallel size), its per-rank memory and per-step communication, with the
+paper it follows.
 """
 
+from shardlib.comm.ledger import comm_ledger
 from shardlib.launch import LaunchError, LaunchTimeout, RankError, current_device, init_from_env, launch
 
-__all__ = ["launch", "LaunchError", "LaunchTimeout", "RankError", "current_device", "init_from_env"]
+__all__ = ["launch", "LaunchError", "LaunchTimeout", "RankError", "current_device", "init_from_env", "comm_ledger",
+           "verify"]
+
+
+def verify(technique: str, world_size: int) -> dict:
+    """Run one check of `python -m shardlib verify` (the technique against one device); return its record."""
+    from shardlib.checks.registry import run_check
+
+    return run_check(technique, world_size)

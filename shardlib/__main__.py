@@ -1,4 +1,4 @@
-"""Command line: `python -m shardlib verify | bench | labs | plan`."""
+"""Command line: `python -m shardlib verify | bench | plan | labs`."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plan"]:  # plan has its own options (python -m shardlib plan --help)
-        from shardlib import plan
+        from shardlib.plan.cli import main as plan_main
 
-        return plan.main(argv[1:])
+        return plan_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m shardlib", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -33,18 +33,18 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "verify":
-        from shardlib import verify as module
+        from shardlib.checks.registry import verify_main
 
         for size in args.world_size or []:
             if size < 1:
                 parser.error(f"--world-size must be >= 1, got {size}")
-        return module.main(args.technique, args.world_size, args.json)
+        return verify_main(args.technique, args.world_size, args.json)
     if args.command == "bench":
-        from shardlib import bench as module
+        from shardlib.checks.registry import bench_main
 
-        return module.main(args.names, args.json, quick=args.quick)
+        return bench_main(args.names, args.json, quick=args.quick)
     if args.command == "labs":
-        from shardlib import labgen
+        from shardlib.course import labgen
 
         return labgen.main(check=args.check, force=args.force)
     return 2

@@ -38,7 +38,7 @@ parameters, model states per rank 16 Psi / (t p) bytes (mixed-precision Adam) an
 ZeRO-3 over dp; per step a rank sends, in its tp group 4 * 2(t-1)/t * b s h elements per layer it
 holds and per micro-batch (b the micro-batch on this replica), in its pp group b s h per
 micro-batch to each neighbour, and in its dp group 2(d-1)/d * Psi/(t p) (3(d-1)/d with ZeRO-3).
-shardlib/hybrid.py composes them.
+shardlib/parallel/hybrid.py composes them.
 
 Groups are created collectively: torch.distributed.new_group must be called by EVERY rank, for
 every group, in the same order, even for the groups a rank does not belong to. `Mesh(...)` does it

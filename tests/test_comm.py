@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shardlib import launch
-from shardlib.comm import (AlphaBeta, comm_ledger, fit_alpha_beta, ring_all_gather, ring_all_reduce,
+from shardlib.comm import (AlphaBeta, comm_ledger, ops, fit_alpha_beta, ring_all_gather, ring_all_reduce,
                            ring_broadcast, ring_reduce_scatter, ring_sent_bytes)
 
 SHAPES = [(1,), (7,), (1001,), (5, 3), (12,)]  # 12 divides by 1..4; the others mostly do not
@@ -172,7 +172,7 @@ def record_torch_calls():
     rank, n = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % n, (rank - 1) % n
     x = torch.arange(10, dtype=torch.float32)  # 40 bytes
-    with comm_ledger() as ledger:
+    with comm_ledger(record_torch=True) as ledger:
         dist.all_reduce(x.clone())
         dist.broadcast(x.clone(), src=0)
         dist.all_gather([torch.empty(10) for _ in range(n)], x)  # S = n * 40 bytes
@@ -213,9 +213,9 @@ def test_ledger_records_torch_collectives_and_point_to_point():
 def nested_ledgers():
     n = dist.get_world_size()
     x = torch.ones(12)
-    with comm_ledger() as outer:
+    with comm_ledger(record_torch=True) as outer:
         ring_all_reduce(x)
-        with comm_ledger() as inner:
+        with comm_ledger(record_torch=True) as inner:
             dist.all_reduce(x)
             ring_all_gather(x)
         dist.broadcast(x, src=0)
@@ -239,13 +239,15 @@ def test_ledger_restores_torch_functions_on_exit_even_after_an_error():
              "batch_isend_irecv", "P2POp", "reduce_scatter", "barrier"]
     originals = {name: getattr(dist, name) for name in names}
     with comm_ledger():
+        assert all(getattr(dist, name) is originals[name] for name in names), "a plain ledger patched torch"
+    with comm_ledger(record_torch=True):
         assert all(getattr(dist, name) is not originals[name] for name in names), "nothing was patched"
-        with comm_ledger():
+        with comm_ledger(record_torch=True):
             pass
         assert dist.all_reduce is not originals["all_reduce"], "closing the inner ledger unpatched the outer"
     assert all(getattr(dist, name) is originals[name] for name in names)
     with pytest.raises(RuntimeError, match="inside"):
-        with comm_ledger():
+        with comm_ledger(record_torch=True):
             raise RuntimeError("inside")
     assert all(getattr(dist, name) is originals[name] for name in names)
 
@@ -319,7 +321,7 @@ def test_fit_recovers_alpha_and_bandwidth(kind, n):
 
 def _positional_group_calls():
     group = dist.new_group([0, 1])
-    with comm_ledger() as ledger:
+    with comm_ledger(record_torch=True) as ledger:
         if dist.get_rank() < 2:
             dist.all_reduce(torch.ones(3), dist.ReduceOp.SUM, group)  # group passed positionally
             dist.broadcast(torch.ones(2), 0, group)
@@ -331,3 +333,54 @@ def test_ledger_reads_a_group_passed_positionally():
     records = launch(_positional_group_calls, 3, timeout=60)
     expected = [("all_reduce", (0, 1)), ("broadcast", (0, 1)), ("barrier", (0, 1))]
     assert records == [expected, expected, []]
+
+
+def shardlib_calls_record_themselves_torch_calls_only_when_asked():
+    x = torch.ones(8)
+    with comm_ledger() as plain:
+        with comm_ledger(record_torch=True) as everything:
+            ops.all_reduce(x.clone())  # shardlib's: both ledgers
+            dist.all_reduce(x.clone())  # PyTorch's own: only the ledger that asked
+        dist.all_reduce(x.clone())  # no ledger records PyTorch's calls any more
+    return [r.kind for r in plain.records], [r.kind for r in everything.records]
+
+
+def test_shardlib_calls_record_themselves_and_torch_calls_only_when_asked():
+    for plain, everything in launch(shardlib_calls_record_themselves_torch_calls_only_when_asked, 2):
+        assert plain == ["all_reduce"], plain
+        assert everything == ["all_reduce", "all_reduce"], everything
+
+
+def a_call_the_ledger_cannot_describe(monkeypatch_describe):
+    import shardlib.comm.ledger as ledger_module
+
+    if monkeypatch_describe:
+        def broken(*args, **kwargs):
+            raise KeyError("cannot describe")
+        ledger_module._describe_torch_call = broken
+    x = torch.ones(4)
+    with comm_ledger(record_torch=True) as ledger:
+        dist.all_reduce(x)
+    return x.tolist(), [r.kind for r in ledger.records]
+
+
+def test_recording_never_raises_inside_the_call_it_records():
+    for values, kinds in launch(a_call_the_ledger_cannot_describe, 2, args=(True,)):
+        assert values == [2.0] * 4, "the all-reduce did not run"
+        assert kinds == ["unknown:all_reduce"], kinds
+
+
+def test_ledgers_record_from_several_threads_without_losing_records():
+    import threading
+
+    from shardlib.comm.ledger import CommRecord, record
+
+    per_thread, n_threads = 2000, 4
+    with comm_ledger() as ledger:
+        threads = [threading.Thread(target=lambda: [record(CommRecord("send", 1, 1, (0,))) for _ in range(per_thread)])
+                   for _ in range(n_threads)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert ledger.calls("send") == per_thread * n_threads

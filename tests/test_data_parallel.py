@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from shardlib import RankError, launch
 from shardlib.comm import comm_ledger, ring_sent_bytes
-from shardlib.data_parallel import DistributedDataParallel, all_reduce_gradients, assign_buckets
-from shardlib.data_parallel_checks import verify_data_parallel
+from shardlib.parallel.ddp import DistributedDataParallel, all_reduce_gradients, assign_buckets
+from shardlib.checks.ddp import verify_data_parallel
 from shardlib.models import GPTConfig, build_gpt, build_mlp, mlp_batch
 from shardlib.reference import compare_state, freeze_inert_key_biases, model_loss, rank_slice, train_reference
 

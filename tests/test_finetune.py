@@ -21,9 +21,9 @@ import torch
 
 from shardlib import LaunchError, launch
 from shardlib.finetune import FinetuneConfig, check_before_launch, parse_args, train
-from shardlib.finetune_checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, model_fingerprint, read_metadata
-from shardlib.finetune_data import DatasetError, global_batch_indices, load_dataset, rank_slice, read_split
-from shardlib.finetune_model import (STRATEGIES, ModelLoadError, check_strategy, load_classifier, resolve_model_path,
+from shardlib.finetune.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, model_fingerprint, read_metadata
+from shardlib.finetune.data import DatasetError, global_batch_indices, load_dataset, rank_slice, read_split
+from shardlib.finetune.model import (STRATEGIES, ModelLoadError, check_strategy, load_classifier, resolve_model_path,
                                      strategy_from_launch_env)
 from shardlib.memory import zero_model_state_bytes
 

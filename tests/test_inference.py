@@ -1,13 +1,13 @@
-"""shardlib.inference and shardlib.serving: sharded greedy generation equals one device's, and its traffic the formulas."""
+"""shardlib.inference.generate and shardlib.inference.serving: sharded greedy generation equals one device's, and its traffic the formulas."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shardlib.inference import EmulatedDevice, forward_step
+from shardlib.inference.generate import EmulatedDevice, forward_step
 from shardlib.models import GPTConfig, build_gpt
-from shardlib.serving import course_prompts, decode_traffic, serve
+from shardlib.inference.serving import course_prompts, decode_traffic, serve
 
 CONFIG = GPTConfig(seq_len=32, n_layer=4, n_head=4, n_embd=32)
 REQUESTS, PROMPT, NEW = 4, 8, 10

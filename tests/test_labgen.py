@@ -8,7 +8,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from shardlib import labgen
+from shardlib.course import labgen
 from shardlib.__main__ import main as cli
 
 

@@ -19,7 +19,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
-from shardlib import labgen
+from shardlib.course import labgen
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = labgen.solution_paths(REPO_ROOT / "solutions")

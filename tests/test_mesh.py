@@ -1,4 +1,4 @@
-"""shardlib.mesh and shardlib.hybrid: coordinates, process groups, and hybrid layouts against one device."""
+"""shardlib.mesh and shardlib.parallel.hybrid: coordinates, process groups, and hybrid layouts against one device."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import shardlib.hybrid
+import shardlib.parallel.hybrid
 from shardlib import launch
-from shardlib.hybrid_checks import verify_hybrid
+from shardlib.checks.hybrid import verify_hybrid
 from shardlib.mesh import Mesh, training_mesh
 
 
@@ -90,7 +90,7 @@ def test_three_dimensional_layout_matches_one_device():
 
 def test_hybrid_check_fails_without_the_data_parallel_all_reduce(monkeypatch):
     # the check must catch a layout whose replicas never average their gradients (ranks are forked)
-    monkeypatch.setattr(shardlib.hybrid, "all_reduce_gradients", lambda module, group=None: None)
+    monkeypatch.setattr(shardlib.parallel.hybrid, "all_reduce_gradients", lambda module, group=None: None)
     result = verify_hybrid(4, "dp-tp")
     assert not result["passed"]
     assert result["max_rel_diff"] > 1e-4
@@ -100,6 +100,6 @@ def test_hybrid_refuses_what_it_cannot_compose():
     with pytest.raises(ValueError, match="runs on 4 ranks"):
         verify_hybrid(2, "dp-tp")
     with pytest.raises(ValueError, match="'replicate' dimension needs a 'shard'"):
-        shardlib.hybrid.data_parallel_dims(Mesh((2,), ("replicate",), create_groups=False))
+        shardlib.parallel.hybrid.data_parallel_dims(Mesh((2,), ("replicate",), create_groups=False))
     with pytest.raises(ValueError, match="no 'dp'|has none"):
-        shardlib.hybrid.data_parallel_dims(Mesh((2,), ("tp",), create_groups=False), zero3=True)
+        shardlib.parallel.hybrid.data_parallel_dims(Mesh((2,), ("tp",), create_groups=False), zero3=True)

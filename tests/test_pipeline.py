@@ -1,4 +1,4 @@
-"""shardlib.pipeline: schedules hold their defining properties, runs equal the single-device
+"""shardlib.parallel.pipeline: schedules hold their defining properties, runs equal the single-device
 reference and PyTorch's own pipeline, the ledger counts b*s*h per micro-batch per boundary,
 stashes hold what the formulas say, and bad input fails clearly.
 
@@ -16,9 +16,9 @@ import torch.distributed as dist
 from shardlib import RankError, launch
 from shardlib.comm import comm_ledger
 from shardlib.models import GPTConfig, build_gpt
-from shardlib.pipeline import balanced_split, check_microbatches, gpt_stage, pipeline_step
-from shardlib.pipeline_checks import verify_pipeline
-from shardlib.pipeline_schedules import (check_actions, measured_bubble, peak_in_flight, schedule_1f1b,
+from shardlib.parallel.pipeline import balanced_split, check_microbatches, gpt_stage, pipeline_step
+from shardlib.checks.pipeline import verify_pipeline
+from shardlib.parallel.schedules import (check_actions, measured_bubble, peak_in_flight, schedule_1f1b,
                                          schedule_gpipe, schedule_naive, simulate)
 
 SCHEDULES = {"naive": schedule_naive, "gpipe": schedule_gpipe, "1f1b": schedule_1f1b}

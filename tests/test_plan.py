@@ -24,15 +24,15 @@ import torch.distributed as dist
 
 from shardlib import launch, memory
 from shardlib.comm import comm_ledger
-from shardlib.data_parallel import DistributedDataParallel, all_reduce_gradients
+from shardlib.parallel.ddp import DistributedDataParallel, all_reduce_gradients
 from shardlib.models import GPTConfig, build_gpt
-from shardlib.pipeline import gpt_stage, pipeline_step
+from shardlib.parallel.pipeline import gpt_stage, pipeline_step
 from shardlib.plan import Cluster, Layout, ModelSpec, NoLayoutFits, candidate_layouts, plan, predict
 from shardlib.plan import main as plan_main
 from shardlib.reference import model_loss
-from shardlib.tp_gpt import parallelize_gpt, sync_sequence_parallel_grads
-from shardlib.zero import ZeroOptimizer
-from shardlib.zero_checks import shard_model
+from shardlib.parallel.tensor_gpt import parallelize_gpt, sync_sequence_parallel_grads
+from shardlib.parallel.zero import ZeroOptimizer
+from shardlib.parallel.zero_stages import apply_zero
 
 GiB = 2**30
 CONFIG = GPTConfig(vocab_size=256, seq_len=16, n_layer=4, n_head=4, n_embd=32)  # Psi = 67,776
@@ -104,7 +104,7 @@ def _train_step(fields: dict, global_batch: int) -> dict:
     if d > 1 and lay.zero in (1, 2):
         optimizer = ZeroOptimizer(model, torch.optim.AdamW, stage=lay.zero, group=dp_group, lr=1e-3)
     elif d > 1 and lay.zero == 3:
-        optimizer = shard_model(model, 3, torch.optim.AdamW, group=dp_group, lr=1e-3)
+        optimizer = apply_zero(model, 3, torch.optim.AdamW, group=dp_group, lr=1e-3)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         if d > 1 and t == 1 and p == 1:

@@ -1,4 +1,4 @@
-"""shardlib.prune: masks checked by counting, compressed 2:4 round trips, bytes from shapes."""
+"""shardlib.compress.prune: masks checked by counting, compressed 2:4 round trips, bytes from shapes."""
 
 import pytest
 import torch
@@ -6,9 +6,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardlib.models import build_gpt
-from shardlib.prune import (Sparse24Linear, compress_2_4, compress_model_2_4, csr_bytes, decompress_2_4,
+from shardlib.compress.prune import (Sparse24Linear, compress_2_4, compress_model_2_4, csr_bytes, decompress_2_4,
                             magnitude_mask, mask_2_4, prune_model)
-from shardlib.quant import bytes_held
+from shardlib.compress.quant import bytes_held
 
 
 def test_magnitude_mask_drops_the_smallest():

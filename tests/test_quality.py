@@ -1,11 +1,11 @@
-"""shardlib.quality against independent references: sentence-transformers' own encoder, cross-entropy."""
+"""shardlib.compress.quality against independent references: sentence-transformers' own encoder, cross-entropy."""
 
 import math
 
 import torch
 import torch.nn as nn
 
-from shardlib.quality import cosine_to_reference, embed, linear_probe_accuracy, load_encoder, load_sentences, perplexity
+from shardlib.compress.quality import cosine_to_reference, embed, linear_probe_accuracy, load_encoder, load_sentences, perplexity
 
 
 def test_embeddings_match_sentence_transformers():

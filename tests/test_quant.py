@@ -1,4 +1,4 @@
-"""shardlib.quant against hand-computed cases, error bounds, F.linear and byte counts from shapes."""
+"""shardlib.compress.quant against hand-computed cases, error bounds, F.linear and byte counts from shapes."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardlib.models import build_gpt
-from shardlib.quant import (QuantEmbedding, QuantLinear, bytes_held, dequantize, pack_int4, quantize, quantize_model,
+from shardlib.compress.quant import (QuantEmbedding, QuantLinear, bytes_held, dequantize, pack_int4, quantize, quantize_model,
                             relative_error, unpack_int4, weight_error)
 
 

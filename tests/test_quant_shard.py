@@ -7,8 +7,8 @@ import torch
 
 from shardlib import launch
 from shardlib.models import build_gpt
-from shardlib.quant import bytes_held, quantize_model
-from shardlib.quant_shard import fsdp_bytes_per_rank, shard_for_inference
+from shardlib.compress.quant import bytes_held, quantize_model
+from shardlib.compress.quant_shard import fsdp_bytes_per_rank, shard_for_inference
 
 
 def _run_sharded(model, idx):

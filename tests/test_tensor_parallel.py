@@ -17,9 +17,9 @@ from shardlib import RankError, launch
 from shardlib.comm import comm_ledger
 from shardlib.models import GPTConfig, build_gpt
 from shardlib.reference import compare_state, model_loss
-from shardlib.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_full_state_dict
-from shardlib.tp_check import verify_tp
-from shardlib.tp_gpt import (VocabParallelEmbedding, check_tp_config, parallelize_gpt,
+from shardlib.parallel.tensor import ColumnParallelLinear, RowParallelLinear, gather_full_state_dict
+from shardlib.checks.tensor import verify_tp
+from shardlib.parallel.tensor_gpt import (VocabParallelEmbedding, check_tp_config, parallelize_gpt,
                              vocab_parallel_cross_entropy)
 
 B, T, D_IN, D_OUT = 2, 8, 12, 24  # divisible by t = 1, 2, 3, 4
@@ -234,7 +234,7 @@ def test_sequence_parallel_needs_divisible_sequence():
 
 
 def test_verify_rejects_bad_size_before_launching(monkeypatch):
-    import shardlib.tp_check as tp_check
+    import shardlib.checks.tensor as tp_check
 
     def no_launch(*args, **kwargs):
         raise AssertionError("launch must not be reached")

@@ -1,4 +1,4 @@
-"""ZeRO-1/2/3 (shardlib.zero, shardlib.fsdp) against a single device, the ZeRO paper's formulas,
+"""ZeRO-1/2/3 (shardlib.parallel.zero, shardlib.parallel.fsdp) against a single device, the ZeRO paper's formulas,
 and the launcher's error handling. Small models, few steps: one launch per world size does most.
 
 References are independent of the code under test: `train_reference` trains an ordinary model
@@ -16,12 +16,12 @@ import torch.distributed as dist
 
 from shardlib import RankError, launch, memory
 from shardlib.comm import comm_ledger
-from shardlib.fsdp import fully_shard
+from shardlib.parallel.fsdp import fully_shard
 from shardlib.models import build_mlp
 from shardlib.reference import compare_state, model_loss, rank_slice, train_reference
-from shardlib.zero import ZeroOptimizer
-from shardlib.zero_checks import (LR, MLP, build, compare_with_reference, export_state, global_batches, n_flat_buffers,
-                                  n_params, shard_model, state_bytes)
+from shardlib.parallel.zero import ZeroOptimizer
+from shardlib.checks.zero import LR, MLP, build, compare_with_reference, global_batches, n_params
+from shardlib.parallel.zero_stages import apply_zero, n_flat_buffers, zero_full_state_dict, zero_state_bytes
 
 STEPS = 5
 STAGES = (1, 2, 3)
@@ -44,7 +44,7 @@ def _train(kind: str, stage: int, optimizer: str, lr: float, steps: int, param_d
     optimizer_class, defaults = ((torch.optim.AdamW, dict(lr=lr)) if optimizer == "adamw"
                                  else (torch.optim.SGD, dict(lr=lr, momentum=0.9)))
     bucket_numel = {"mlp": 600, "gpt": 12000}[kind] if stage == 2 else None  # stage 2: several buckets
-    opt = shard_model(model, stage, optimizer_class, param_dtype=param_dtype, bucket_numel=bucket_numel, **defaults)
+    opt = apply_zero(model, stage, optimizer_class, param_dtype=param_dtype, bucket_numel=bucket_numel, **defaults)
     losses, sent = [], []
     for batch in global_batches(kind, steps):
         opt.zero_grad()
@@ -58,8 +58,8 @@ def _train(kind: str, stage: int, optimizer: str, lr: float, steps: int, param_d
             opt.step()
         losses.append(step_loss)
         sent.append(ledger.sent_bytes() / (2 if param_dtype == torch.bfloat16 else 4))  # elements
-    held = state_bytes(model, opt)
-    return dict(state=export_state(model, opt), losses=losses, sent=sent, held=held,
+    held = zero_state_bytes(model, opt)
+    return dict(state=zero_full_state_dict(model, opt), losses=losses, sent=sent, held=held,
                 buffers=n_flat_buffers(model, opt), calls=ledger.summary())
 
 
@@ -177,7 +177,7 @@ def _bf16_all_stages() -> dict:
     for stage in STAGES:
         out[stage] = _train("mlp", stage, "sgd", 0.05, 4, param_dtype=torch.bfloat16)
         model = build("gpt")
-        shard_model(model, stage, torch.optim.SGD, lr=0.05, param_dtype=torch.bfloat16)
+        apply_zero(model, stage, torch.optim.SGD, lr=0.05, param_dtype=torch.bfloat16)
         out[stage]["gpt_dtypes"] = {p.dtype for p in model.parameters()}
     return out
 
@@ -288,7 +288,7 @@ def test_tied_parameters_across_units_are_refused():
 def _crash_mid_step(stage: int) -> None:
     rank, n = dist.get_rank(), dist.get_world_size()
     model = build("mlp")
-    optimizer = shard_model(model, stage, torch.optim.AdamW, lr=1e-2, bucket_numel=600)
+    optimizer = apply_zero(model, stage, torch.optim.AdamW, lr=1e-2, bucket_numel=600)
     loss = model_loss(model, rank_slice(global_batches("mlp", 1)[0], rank, n))
     if rank == 1:
         raise RuntimeError("rank 1 lost its data loader")

@@ -1,0 +1,1 @@
+"""The course around the library: lab generation from the solutions."""

@@ -1,0 +1,7 @@
+"""`python -m shardlib.finetune ...` (also under torchrun and accelerate launch)."""
+
+import sys
+
+from shardlib.finetune.train import main
+
+sys.exit(main())

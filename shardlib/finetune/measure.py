@@ -1,0 +1,71 @@
+"""Measure what each strategy costs a rank: model-state bytes (against the ZeRO formulas) and step time.
+
+Per-rank model states, ZeRO (arXiv 1910.02054) with K bytes of optimizer state per
+parameter; this machine trains in fp32 (recipe "fp32_adam": 4 + 4 + 8 bytes per parameter):
+
+    DDP (stage 0)            (4 + 4 + 8) Psi
+    SHARD_GRAD_OP (stage 2)  4 Psi + (4 + 8) Psi / N
+    FULL_SHARD (stage 3)     (4 + 4 + 8) Psi / N
+
+The measurement counts real tensors on each rank (shardlib.memory.model_state_bytes: local
+shards of DTensors) at three moments of one step: after the forward (parameters the
+module holds: gathered ones included), after the backward (gradients), after the optimizer
+step (Adam's moments). Each category at its largest is held against the formula. FSDP2's
+SHARD_GRAD_OP holds all parameters gathered between forward and backward, which is
+ZeRO-2's 4 Psi; after the backward it reshards them, so at rest (after the step) it holds
+no more than FULL_SHARD: `rest_bytes` shows that.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+from shardlib.launch import launch
+from shardlib.memory import zero_model_state_bytes
+
+STRATEGIES = ("DDP", "SHARD_GRAD_OP", "FULL_SHARD")
+MOMENTS = ("after_forward", "after_backward", "after_step")
+
+
+def _peak_states(memory: dict) -> dict:
+    """Each model state at its largest over the measured moments of a step."""
+    peak = {key: max(memory[m][key] for m in MOMENTS) for key in ("params", "grads", "optimizer")}
+    peak["total"] = sum(peak.values())
+    return peak
+
+
+def measure_strategy(strategy: str, world_size: int, steps: int = 4, max_length: int = 16, batch_size: int = 8,
+                     seed: int = 0, **overrides) -> dict:
+    """Train `steps` steps on `world_size` ranks; return per-rank bytes, prediction, step time, losses."""
+    from shardlib.finetune.train import ZERO_STAGE, FinetuneConfig, train
+
+    with tempfile.TemporaryDirectory() as out:
+        config = FinetuneConfig(strategy=strategy, output_dir=out, max_steps=steps, max_length=max_length,
+                                batch_size=batch_size, seed=seed, evaluate=False, progress=False,
+                                measure_memory=True, **{"device": "cpu", **overrides})  # fp32 on CPU ranks
+        results = launch(train, world_size, args=(config,), timeout=900)
+    n_params = results[0]["n_params"]
+    measured = [_peak_states(r["memory"]) for r in results]
+    largest = max(measured, key=lambda m: m["total"])
+    predicted = zero_model_state_bytes(n_params, world_size, ZERO_STAGE[strategy], recipe="fp32_adam")
+    return {
+        "case": f"{strategy} N={world_size}", "strategy": strategy, "world_size": world_size, "n_params": n_params,
+        "measured": largest, "predicted": predicted,
+        "measured_over_predicted": largest["total"] / predicted["total"],
+        "rest_bytes": max(r["memory"]["after_step"]["total"] for r in results),
+        "step_time_s": max(r["step_time_s"] for r in results),
+        "losses": [h["loss"] for h in results[0]["history"]],
+    }
+
+
+def measure_strategies(world_sizes=(2, 4), strategies=STRATEGIES, steps: int = 4, **kwargs) -> list[dict]:
+    """measure_strategy for each (world size, strategy), with each step time over DDP's."""
+    rows = []
+    for world_size in world_sizes:
+        same_n = [measure_strategy(s, world_size, steps=steps, **kwargs) for s in strategies]
+        ddp = next((r for r in same_n if r["strategy"] == "DDP"), None)
+        for row in same_n:
+            row["ddp_step_time_s"] = ddp["step_time_s"] if ddp else None
+            row["time_over_ddp"] = row["step_time_s"] / ddp["step_time_s"] if ddp else None
+        rows.extend(same_n)
+    return rows

@@ -1,0 +1,301 @@
+"""Pipeline parallelism: p ranks each hold a stage of consecutive layers; micro-batches flow through.
+
+Stage s of p holds blocks [l_s, l_{s+1}) of the model; the first stage also holds the
+embeddings, the last one the final LayerNorm, the output head and the loss. A global batch
+of b examples is cut into m micro-batches of b/m. For each micro-batch, stage s receives an
+activation (b/m, s, h) from stage s-1, runs its blocks forward and sends the result on to
+stage s+1; in the backward pass it receives the gradient of that output from stage s+1,
+back-propagates, and sends the gradient of its input to stage s-1. Gradients accumulate over
+the m micro-batches (each loss is divided by m), so after the step every stage holds the
+gradient of the mean loss over the global batch, exactly as a single device would.
+
+The order of forwards and backwards on each stage is the schedule (shardlib/parallel/schedules.py):
+naive (one micro-batch at a time), GPipe (Huang et al., arXiv 1811.06965) or 1F1B
+(PipeDream-Flush; Narayanan et al., arXiv 2104.04473).
+
+Per rank, in the course notation (Psi parameters, p stages, m micro-batches, b global batch,
+s sequence length, h hidden size, a heads, L layers):
+
+    memory          Psi/p parameters (16 Psi/p bytes of model state with mixed-precision Adam)
+                    + activations of the micro-batches stashed at once: m with GPipe, at most
+                    p with 1F1B (on stage 0), 1 naive; each (L/p) * s (b/m) h (34 + 5 a s/h)
+                    bytes in 16-bit (arXiv 2205.05198)
+    communication   point-to-point only: per micro-batch and stage boundary, (b/m) * s * h
+                    elements each way (activation forward, its gradient backward); per step
+                    b * s * h elements sent to each neighbour. No collective in the pipeline.
+    bubble          idle fraction (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/p naive
+
+A stage is any nn.Module with `stage_index`, `num_stages`, `is_first`, `is_last`,
+`forward(input)`, `loss(output, target)` (used on the last stage) and
+`activation_shape(microbatch_input)` (the shape a non-first stage receives); `GPTStage` cuts
+the course's GPT into such stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardlib.comm import ops
+from shardlib.models import GPT
+from shardlib.parallel.schedules import (
+    SCHEDULES,
+    Event,
+    bubble_formula,
+    check_actions,
+    get_schedule,
+    measured_bubble,
+    plot_timeline,
+    simulate,
+    stash_formula,
+)
+
+__all__ = ["GPTStage", "gpt_stage", "balanced_split", "check_pipeline", "check_microbatches", "pipeline_step",
+           "StepResult",
+           "Event", "SCHEDULES", "bubble_formula", "stash_formula", "measured_bubble", "plot_timeline", "simulate"]
+
+
+# ---------------------------------------------------------------------------------
+# cutting the model into stages
+
+
+def check_microbatches(batch_size: int, n_microbatches: int) -> None:
+    """Raise ValueError unless a batch of `batch_size` cuts into `n_microbatches` equal micro-batches."""
+    if n_microbatches < 1:
+        raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+    if batch_size % n_microbatches:
+        fits = [m for m in range(1, batch_size + 1) if batch_size % m == 0]
+        raise ValueError(f"a batch of {batch_size} cannot be cut into {n_microbatches} equal micro-batches: "
+                         f"use n_microbatches in {fits}, or a batch size divisible by {n_microbatches}")
+
+
+def check_pipeline(n_layer: int, num_stages: int, batch_size: int | None = None, n_microbatches: int | None = None,
+                   layers_per_stage: list[int] | None = None) -> None:
+    """Raise ValueError, saying what to change, for a pipeline that cannot be built."""
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if num_stages > n_layer:
+        raise ValueError(f"cannot cut {n_layer} transformer blocks into {num_stages} stages: every stage needs "
+                         f"at least one block. Use at most {n_layer} stages, or a model with n_layer >= {num_stages}.")
+    if layers_per_stage is not None:
+        if len(layers_per_stage) != num_stages or min(layers_per_stage) < 1 or sum(layers_per_stage) != n_layer:
+            raise ValueError(f"layers_per_stage={list(layers_per_stage)} must give each of the {num_stages} stages "
+                             f">= 1 block and add up to n_layer={n_layer}")
+    if batch_size is not None and n_microbatches is not None:
+        check_microbatches(batch_size, n_microbatches)
+
+
+def balanced_split(layer_sizes: list[int], num_stages: int, first_extra: int = 0, last_extra: int = 0) -> list[int]:
+    """Layers per stage, contiguous, minimising the largest stage's size (e.g. parameter count).
+
+    first_extra / last_extra: size the first / last stage holds besides its layers (embeddings;
+    final norm and head). Dynamic programming over (stages used, layers placed).
+    """
+    n = len(layer_sizes)
+    check_pipeline(n, num_stages)
+    prefix = [0]
+    for size in layer_sizes:
+        prefix.append(prefix[-1] + size)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]  # best[k][j]: k stages hold layers [0, j)
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for k in range(1, num_stages + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):  # stage k-1 holds layers [i, j)
+                size = prefix[j] - prefix[i] + (first_extra if k == 1 else 0)
+                size += last_extra if k == num_stages else 0
+                cost = max(best[k - 1][i], size)
+                if cost < best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    counts, j = [], n
+    for k in range(num_stages, 0, -1):
+        counts.append(j - cut[k][j])
+        j = cut[k][j]
+    return counts[::-1]
+
+
+class GPTStage(nn.Module):
+    """Stage `stage_index` of `num_stages` of a GPT: blocks `layers`, plus tok_emb and pos_emb on the
+    first stage and ln_f, lm_head and the loss on the last. Parameter names are the full model's
+    (blocks.3.attn.q_proj.weight...), so the stages' state dicts together are the model's."""
+
+    def __init__(self, model: GPT, stage_index: int, num_stages: int, layers: range):
+        super().__init__()
+        self.config, self.stage_index, self.num_stages = model.config, stage_index, num_stages
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        if self.is_first:
+            self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        if self.is_last:
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:  # x: (b, T) token ids
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.tok_emb(x) + self.pos_emb(positions)  # (b, T, h)
+        for block in self.blocks.values():
+            x = block(x)  # (b, T, h)
+        return self.lm_head(self.ln_f(x)) if self.is_last else x  # (b, T, V) or (b, T, h)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))  # (b*T, V) vs (b*T,)
+
+    def activation_shape(self, idx: torch.Tensor) -> tuple[int, ...]:
+        return (idx.shape[0], idx.shape[1], self.config.n_embd)  # (b, T, h)
+
+
+def gpt_stage(model: GPT, stage_index: int, num_stages: int, layers_per_stage: list[int] | None = None) -> GPTStage:
+    """Cut `model` into `num_stages` stages and return stage `stage_index`.
+
+    layers_per_stage: blocks in each stage; default: balanced by parameter count, the
+    embeddings counted with the first stage and ln_f + lm_head with the last.
+    """
+    n_layer = len(model.blocks)
+    check_pipeline(n_layer, num_stages, layers_per_stage=layers_per_stage)
+    if layers_per_stage is None:
+        count = lambda *modules: sum(p.numel() for m in modules for p in m.parameters())  # noqa: E731
+        layers_per_stage = balanced_split([count(b) for b in model.blocks], num_stages,
+                                          count(model.tok_emb, model.pos_emb), count(model.ln_f, model.lm_head))
+    start = sum(layers_per_stage[:stage_index])
+    return GPTStage(model, stage_index, num_stages, range(start, start + layers_per_stage[stage_index]))
+
+
+# ---------------------------------------------------------------------------------
+# running a schedule
+
+
+@dataclass
+class StepResult:
+    loss: float | None  # mean loss over the global batch (last stage); None on the others
+    timeline: list[Event]  # this rank's forwards and backwards, in time.perf_counter() seconds
+    peak_stashed: int  # most micro-batches whose activations this rank held at once
+    peak_stashed_bytes: int  # most bytes autograd held for stashed micro-batches at once (no parameters)
+    step_s: float  # wall time of the step on this rank
+
+
+class _SavedBytes:
+    """Counts the bytes of the distinct tensors autograd saves during a forward (not parameters)."""
+
+    def __init__(self, module: nn.Module):
+        self.params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        pointer = t.untyped_storage().data_ptr()
+        if pointer not in self.params:
+            self.storages[pointer] = t.untyped_storage().nbytes()
+        return t
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # kernels are asynchronous: time what has finished
+    return time.perf_counter()
+
+
+@dataclass
+class _Run:
+    """What one rank knows while it runs its schedule."""
+
+    stage: nn.Module
+    n_microbatches: int
+    group: object
+    prev_rank: int | None  # global ranks of the neighbouring stages
+    next_rank: int | None
+    measure_memory: bool
+    stash: dict = field(default_factory=dict)  # micro-batch -> (stage input, output or loss, saved bytes)
+    sends: list = field(default_factory=list)  # (Work, tensor): in flight until the step ends
+    loss_sum: float = 0.0
+    peak: int = 0
+    peak_bytes: int = 0
+
+
+def _forward(run: _Run, i: int, x: torch.Tensor, target: torch.Tensor, device) -> tuple[float, float]:
+    stage = run.stage
+    if not stage.is_first:
+        x = torch.empty(stage.activation_shape(x), dtype=next(stage.parameters()).dtype, device=device)  # (b/m, T, h)
+        ops.recv(x, run.prev_rank, group=run.group)
+        x.requires_grad_()
+    start = _now(device)
+    with _SavedBytes(stage) if run.measure_memory else contextlib.nullcontext() as saved:
+        out = stage(x)
+        if stage.is_last:
+            out = stage.loss(out, target) / run.n_microbatches  # the mean over m micro-batches
+    end = _now(device)
+    run.stash[i] = (x, out, sum(saved.storages.values()) if saved else 0)
+    run.peak = max(run.peak, len(run.stash))
+    run.peak_bytes = max(run.peak_bytes, sum(b for _, _, b in run.stash.values()))
+    if stage.is_last:
+        run.loss_sum += out.item()
+    else:
+        payload = out.detach()  # (b/m, T, h)
+        run.sends.append((ops.isend(payload, run.next_rank, group=run.group), payload))
+    return start, end
+
+
+def _backward(run: _Run, i: int, device) -> tuple[float, float]:
+    x, out, _ = run.stash.pop(i)
+    grad = None
+    if not run.stage.is_last:
+        grad = torch.empty_like(out)  # (b/m, T, h): d loss / d output
+        ops.recv(grad, run.next_rank, group=run.group)
+    start = _now(device)
+    torch.autograd.backward(out, grad)
+    end = _now(device)
+    if not run.stage.is_first:
+        payload = x.grad.contiguous()  # (b/m, T, h): d loss / d input
+        run.sends.append((ops.isend(payload, run.prev_rank, group=run.group), payload))
+    return start, end
+
+
+def pipeline_step(stage: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], n_microbatches: int,
+                  schedule="1f1b", group=None, measure_memory: bool = True) -> StepResult:
+    """Forward and backward of one global batch through the pipeline; gradients accumulate in
+    the stage's parameters (call optimizer.step() afterwards). Every rank of `group` calls it
+    with its own stage: the group's rank r runs stage r. `batch` = (inputs, targets), the whole
+    global batch (the first stage reads the inputs, the last the targets).
+
+    The timeline's times are the machine's monotonic clock (time.perf_counter), which every
+    process on one machine shares, so events of different ranks can be drawn on one axis.
+
+    schedule: "naive", "gpipe", "1f1b", or a function (p, m, stage_index) -> [(op, i), ...].
+    measure_memory: count the bytes autograd saves for each stashed micro-batch (a hook per
+    saved tensor; turn off when timing against another implementation).
+    """
+    s, p = dist.get_rank(group), dist.get_world_size(group)
+    if (stage.stage_index, stage.num_stages) != (s, p):
+        raise ValueError(f"rank {s} of a group of {p} runs stage {s} of {p}, but was given stage "
+                         f"{stage.stage_index} of {stage.num_stages}")
+    inputs, targets = batch
+    check_microbatches(inputs.shape[0], n_microbatches)
+    actions = get_schedule(schedule)(p, n_microbatches, s)
+    check_actions(actions, n_microbatches, s)
+    simulate(schedule, p, n_microbatches)  # raises, instead of hanging, if the stages' orders deadlock
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    run = _Run(stage, n_microbatches, group, ranks[s - 1] if s > 0 else None, ranks[s + 1] if s < p - 1 else None,
+               measure_memory)
+    x_mbs, y_mbs = inputs.chunk(n_microbatches), targets.chunk(n_microbatches)  # m x (b/m, ...)
+    device, timeline = inputs.device, []
+    ops.barrier(group)
+    t0 = _now(device)
+    for op, i in actions:
+        start, end = _forward(run, i, x_mbs[i], y_mbs[i], device) if op == "F" else _backward(run, i, device)
+        timeline.append(Event(s, op, i, start, end))
+    for work, _ in run.sends:
+        work.wait()
+    return StepResult(run.loss_sum if stage.is_last else None, timeline, run.peak, run.peak_bytes, _now(device) - t0)
