@@ -4,13 +4,19 @@
     python3 course.py             set up .venv if needed, then open JupyterLab at lesson 00
     python3 course.py test [ARGS] set up .venv if needed, then run all tests
                                   (pytest over tests/, nbval over notebooks/; the lab solutions run in tests/test_labs.py);
-                                  ARGS go to pytest, e.g. `-x`, `-k ring`, or paths to run only those
+                                  ARGS go to pytest, e.g. `-x`, `-k ring`, `-m "not slow"` (the fast tier),
+                                  or paths to run only those
     python3 course.py labs [ARGS] regenerate labs/ from solutions/ (`python -m shardlib labs`)
+
+    --cpu-torch                   (with any command) install PyTorch's CPU-only build (about 200 MB)
+                                  instead of the default CUDA build (several GB): for machines without an
+                                  NVIDIA GPU. Needs https://download.pytorch.org/whl/cpu to be reachable.
 
 Set-up: creates the virtual environment .venv from pyproject.toml when it is missing, and
 reinstalls the project (`pip install -e .`) whenever pyproject.toml has changed since the last
 install (its hash is kept in .venv/course-stamp.txt). Extra arguments after `python3 course.py`
-(no command) go to `jupyter lab`, e.g. `--no-browser --port 8890`.
+(no command) go to `jupyter lab`, e.g. `--no-browser --port 8890`; run as root (as in many cloud
+containers), it passes `--allow-root` to JupyterLab and says so.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +35,8 @@ VENV = ROOT / ".venv"
 STAMP = VENV / "course-stamp.txt"
 MIN_PYTHON = (3, 10)
 MIN_PIP = (21, 3)  # first pip that installs a pyproject project in editable mode (PEP 660)
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's CPU-only wheels (pytorch.org/get-started)
+CPU_TORCH_FLAG = "--cpu-torch"
 
 TEST_PATHS = ["tests", "notebooks"]  # solutions/ run in tests/test_labs.py, beside their stubs
 PYTEST_OPTIONS = [
@@ -78,21 +88,46 @@ def create_venv() -> None:
         )
 
 
-def ensure_environment() -> Path:
-    """Create .venv and install the project into it, unless that is already up to date."""
+def torch_requirement() -> str:
+    """pyproject.toml's requirement on torch (e.g. "torch>=2.6"), read without a TOML parser (Python 3.10)."""
+    found = re.search(r"""["'](torch(?:\s*[<>=!~][^"';]*)?)["']""", (ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    return found[1] if found else "torch"
+
+
+def cpu_torch_command(python: Path) -> list:
+    """pip installing PyTorch's CPU-only build, at pyproject's version; `pip install -e .` keeps it."""
+    return [python, "-m", "pip", "install", torch_requirement(), "--index-url", CPU_TORCH_INDEX]
+
+
+def no_nvidia_gpu() -> bool:
+    """Linux without an NVIDIA driver: where the default (CUDA) PyTorch wheel is several GB for nothing."""
+    return sys.platform.startswith("linux") and shutil.which("nvidia-smi") is None
+
+
+def ensure_environment(cpu_torch: bool = False) -> Path:
+    """Create .venv and install the project into it, unless that is already up to date.
+    cpu_torch: install PyTorch's CPU-only build first (and remember it in the stamp)."""
     if sys.version_info < MIN_PYTHON:
         sys.exit(f"[course] this course needs Python {'.'.join(map(str, MIN_PYTHON))} or newer; "
                  f"this is {sys.version.split()[0]}. Run it with a newer python3.")
     python = venv_python()
     if not python.exists():
         create_venv()
-    wanted = pyproject_hash()
-    if STAMP.exists() and STAMP.read_text().strip() == wanted:
+    stamp = STAMP.read_text().split() if STAMP.exists() else []
+    cpu_torch = cpu_torch or "cpu-torch" in stamp  # once chosen, reinstalls keep the CPU-only build
+    wanted = pyproject_hash() + (" cpu-torch" if cpu_torch else "")
+    if stamp == wanted.split():
         say(f"environment {VENV.relative_to(ROOT)} is up to date with pyproject.toml")
         return python
     say("installing the course package and its dependencies (the first time takes a few minutes)")
+    if not cpu_torch and no_nvidia_gpu() and not stamp:
+        say(f"no NVIDIA GPU here: `python3 course.py {CPU_TORCH_FLAG}` would install PyTorch's CPU-only build "
+            "(about 200 MB) instead of the CUDA build (several GB)")
     if pip_version(python) < MIN_PIP:
         run([python, "-m", "pip", "install", "--upgrade", "pip"])
+    if cpu_torch:
+        say(f"installing PyTorch's CPU-only build from {CPU_TORCH_INDEX}")
+        run(cpu_torch_command(python))
     run([python, "-m", "pip", "install", "-e", "."])
     STAMP.write_text(wanted + "\n")
     say("installation done")
@@ -104,15 +139,47 @@ def first_lesson() -> str:
     return os.path.relpath(lessons[0], ROOT) if lessons else "notebooks"
 
 
+def running_as_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
 def open_course(python: Path, extra: list) -> int:
     target = first_lesson()
+    if running_as_root() and "--allow-root" not in extra:
+        say("running as root (as in many cloud containers): passing --allow-root to JupyterLab, "
+            "which refuses to start as root without it")
+        extra = [*extra, "--allow-root"]
     say(f"opening JupyterLab at {target} (stop it with Ctrl-C)")
     return call([python, "-m", "jupyter", "lab", target, *extra])
 
 
+# pytest options whose value is the next argument (`-k tests` names no path); `-kring` and
+# `--maxfail=1` carry theirs inside.
+OPTIONS_WITH_VALUE = {
+    "-k", "-m", "-p", "-c", "-o", "-W", "-r", "--maxfail", "--deselect", "--ignore", "--ignore-glob", "--rootdir",
+    "--confcutdir", "--basetemp", "--durations", "--durations-min", "--tb", "--junitxml", "--junit-xml",
+    "--log-level", "--log-cli-level", "--log-file", "--capture", "--color", "--import-mode", "--override-ini",
+    "--timeout", "--nbval-cell-timeout", "--nbval-kernel-startup-timeout",
+    "--nbval-kernel-name", "--nbval-sanitize-with", "--config-file", "--inifile",
+}
+
+
+def named_paths(extra: list) -> list:
+    """The tests the extra pytest arguments name (paths or path::test), not option values."""
+    paths, skip = [], False
+    for arg in extra:
+        if skip:
+            skip = False
+        elif arg in OPTIONS_WITH_VALUE:
+            skip = True
+        elif not arg.startswith("-") and (ROOT / arg.split("::")[0]).exists():
+            paths.append(arg)
+    return paths
+
+
 def uses_own_paths(extra: list) -> bool:
     """True when the extra pytest arguments name tests to run (a path or path::test)."""
-    return any(not arg.startswith("-") and (ROOT / arg.split("::")[0]).exists() for arg in extra)
+    return bool(named_paths(extra))
 
 
 def run_tests(python: Path, extra: list) -> int:
@@ -137,13 +204,15 @@ def main(argv: list) -> int:
     if argv[:1] in (["help"], ["-h"], ["--help"]):
         print(__doc__)
         return 0
+    cpu_torch = CPU_TORCH_FLAG in argv
+    argv = [arg for arg in argv if arg != CPU_TORCH_FLAG]
     command, extra = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else ("lab", argv)
     if command not in ("lab", "test", "labs"):
         print(__doc__)
         say(f"unknown command {command!r}: use no command, `test` or `labs`")
         return 2
     try:
-        python = ensure_environment()
+        python = ensure_environment(cpu_torch=cpu_torch)
     except subprocess.CalledProcessError as error:
         say(f"set-up failed (exit code {error.returncode}); the output above says why. "
             "Fix it and run this command again: the set-up resumes where it stopped.")

@@ -1,4 +1,4 @@
-"""Write the course's topic-classification set: data/topics/{train,validation,test}.jsonl.
+"""Write the course's topic-classification set: shardlib/data/topics/{train,validation,test}.jsonl.
 
 Run by hand (`python data/make_topics.py`); the output is committed, so nothing runs at
 lesson time. Each line is {"text": ..., "label": ...} with one of five topics.
@@ -23,7 +23,7 @@ from pathlib import Path
 SEED = 2024
 COUNTS = {"train": 200, "validation": 40, "test": 80}  # sentences per topic and split
 DISTRACTOR_RATE = 0.35
-OUT_DIR = Path(__file__).resolve().parent / "topics"
+OUT_DIR = Path(__file__).resolve().parents[1] / "shardlib" / "data" / "topics"  # shipped inside the package
 
 # Per topic: templates with {who} and {what} slots, one bank per split; fillers for the
 # slots, one bank for train+validation and one for test.

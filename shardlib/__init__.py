@@ -1,6 +1,7 @@
 """shardlib: model sharding from scratch, one technique per file, one folder per part of the course.
 
     launch, mesh, models, reference, memory    the foundations every lesson uses
+    devices      GPUs counted without starting CUDA; the device "auto" picks (`python -m shardlib doctor`)
     comm/        collectives from scratch, the ledger of bytes sent, the alpha-beta cost (lesson 01)
     parallel/    data, ZeRO/FSDP, tensor, pipeline and hybrid parallelism (lessons 02-06)
     inference/   generation and serving under each layout (lessons 06, 10)
@@ -9,7 +10,7 @@
     finetune/    fine-tuning a real model with Accelerate + FSDP (lesson 08)
     checks/      every technique against a single-device reference: `python -m shardlib verify`, `bench`
     lessons/     measurements and plots only the notebooks use
-    course/      the course's own tooling (lab generation)
+    course/      the course's own tooling (lab generation, doctor)
 
 Each technique's docstring states, in the course's notation (Psi parameters, N ranks, p stages,
 m micro-batches, t tensor-parallel size), its per-rank memory and per-step communication, with the
@@ -23,8 +24,11 @@ __all__ = ["launch", "LaunchError", "LaunchTimeout", "RankError", "current_devic
            "verify"]
 
 
-def verify(technique: str, world_size: int) -> dict:
-    """Run one check of `python -m shardlib verify` (the technique against one device); return its record."""
+def verify(technique: str, world_size: int, *, device: str = "cpu") -> dict:
+    """Run one check of `python -m shardlib verify` (the technique against one device); return its record.
+
+    device: "cpu" (processes over gloo), "cuda" (one GPU per rank, NCCL) or "auto".
+    """
     from shardlib.checks.registry import run_check
 
-    return run_check(technique, world_size)
+    return run_check(technique, world_size, device=device)

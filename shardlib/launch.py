@@ -1,10 +1,16 @@
 """A cluster on a laptop: run one function on N ranks and get every rank's result back.
 
 `launch(fn, world_size)` starts `world_size` processes, joins them into one
-torch.distributed process group (gloo on CPU, NCCL on CUDA with one GPU per rank),
-calls `fn(*args, **kwargs)` on each and returns the list of return values, ordered
-by rank. Inside `fn` use the ordinary PyTorch calls: `dist.get_rank()`,
-`dist.get_world_size()`, collectives, and `current_device()` for the tensor device.
+torch.distributed process group, calls `fn(*args, **kwargs)` on each and returns the list
+of return values, ordered by rank. Inside `fn` use the ordinary PyTorch calls:
+`dist.get_rank()`, `dist.get_world_size()`, collectives, and `current_device()` for the
+device to build tensors on.
+
+Where the ranks compute (`device=`): "auto" (the default) gives one GPU per rank over NCCL
+when there are enough GPUs, else CPU processes over gloo, and prints one line saying which
+and why (once per process and reason); "cuda" insists on GPUs and fails before any process
+starts when there are too few; "cpu" always uses CPU processes. The calling process never
+starts CUDA (shardlib/devices.py counts GPUs through NVML), so the forked ranks can.
 
 The environment of each rank is exactly the one `torchrun` sets (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so the same `fn` runs unchanged under
@@ -12,11 +18,13 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so the same `fn` runs unchanged under
 
     torchrun --nproc-per-node 2 -m shardlib.examples.ring_allreduce
 
-Faults never hang the caller:
+Faults never hang the caller, and the rank blamed is the root cause:
 - a rank that raises ends the launch within about a second, naming the rank and
   carrying its traceback; every other rank is ended;
 - a rank that blocks (a collective that another rank never joins) ends when the
   process group's timeout, or the launch's, runs out, with an error saying so;
+- a rank whose error only says that a peer closed or reset the connection is a
+  consequence: a rank that died, raised or timed out is blamed first, whatever the clock;
 - bad arguments fail before any process starts.
 
 Processes are forked on Linux and macOS, so `fn` may be defined in a notebook cell.
@@ -34,15 +42,18 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import re
 import signal
 import socket
 import sys
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
+
+from shardlib.devices import DEVICES, DeviceChoice, DeviceUnavailable, resolve_device
 
 __all__ = ["launch", "LaunchError", "RankError", "LaunchTimeout", "current_device", "init_from_env"]
 
@@ -64,6 +75,10 @@ class LaunchTimeout(LaunchError, TimeoutError):
     """The job ran past its timeout; the ranks still running were ended."""
 
 
+class _PortTaken(LaunchError):
+    """Another program bound the rendezvous port between its choice and rank 0's bind: try another."""
+
+
 # ---------------------------------------------------------------------------------
 # the environment a rank sees (same as torchrun's)
 
@@ -75,11 +90,64 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_from_env(backend: str | None = None, timeout: float = 300.0) -> None:
+_announced: set[str] = set()  # lines already printed by this process: each is said once
+
+
+def _announce(line: str) -> None:
+    if line not in _announced:
+        _announced.add(line)
+        print(line, flush=True)
+
+
+def _device_and_backend(device: str, backend: str | None, ranks: int, *, forking: bool, say: str) -> str:
+    """The one rule of launch() and init_from_env(): the backend for `ranks` ranks per machine.
+
+    cuda goes with NCCL, cpu with gloo; "auto" says what it chose and why, after the name `say`
+    (nothing when it is empty).
+    """
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"unknown backend {backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
+    if backend == "nccl" and device == "cpu":
+        raise ValueError("backend 'nccl' runs on CUDA only: pass device='cuda', or use backend='gloo' on CPU")
+    if backend == "gloo" and device == "cuda":
+        raise ValueError("backend 'gloo' means CPU ranks here: drop backend= (device='cuda' uses NCCL), "
+                         "or pass device='cpu'")
+    if backend == "gloo" and not dist.is_gloo_available():
+        raise LaunchError("this PyTorch build has no gloo backend; install a standard torch wheel")
+    requested = {"gloo": "cpu", "nccl": "cuda"}.get(backend, device)
+    try:
+        choice = resolve_device(requested, ranks, forking=forking)
+    except DeviceUnavailable as error:
+        raise LaunchError(str(error)) from None
+    if choice.device == "cuda" and not dist.is_nccl_available():
+        if requested == "cuda":
+            raise LaunchError("device='cuda' needs NCCL and this PyTorch build has none; use device='cpu'")
+        choice = DeviceChoice("cpu", "this PyTorch build has no NCCL")
+    if requested == "auto" and say:
+        how = "one GPU per rank over NCCL" if choice.device == "cuda" else "CPU ranks over gloo"
+        _announce(f"{say}: {how}: {choice.reason}.")
+    return "nccl" if choice.device == "cuda" else "gloo"
+
+
+def _join_group(backend: str, timeout: float) -> None:
+    """Join the group torchrun's variables describe; under NCCL, bind this rank to cuda:LOCAL_RANK first."""
+    limit = datetime.timedelta(seconds=timeout)
+    if backend == "nccl":
+        gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(gpu)
+        dist.init_process_group("nccl", timeout=limit, device_id=gpu)
+    else:
+        dist.init_process_group(backend, timeout=limit)
+
+
+def init_from_env(backend: str | None = None, timeout: float = 300.0, *, device: str = "auto") -> None:
     """Join the process group described by torchrun's environment variables.
 
     Use it at the top of a script run by `torchrun` or `accelerate launch`; a function
-    called by `launch()` finds the group already initialised.
+    called by `launch()` finds the group already initialised. The device is chosen as
+    launch() chooses it, per machine: "auto" is one GPU per local rank (NCCL) when the
+    machine has enough, else CPU ranks (gloo), and rank 0 says which; `accelerate launch
+    --cpu` means "cpu".
     """
     if dist.is_initialized():
         return
@@ -89,11 +157,14 @@ def init_from_env(backend: str | None = None, timeout: float = 300.0) -> None:
             f"init_from_env() needs the variables torchrun sets; missing: {', '.join(missing)}. "
             "Start the script with `torchrun --nproc-per-node N script.py`, or call shardlib.launch(fn, N)."
         )
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    if device not in DEVICES:
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device == "auto" and os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        device = "cpu"
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    say = "shardlib.init_from_env" if os.environ["RANK"] == "0" else ""  # one rank speaks for all
+    backend = _device_and_backend(device, backend, local_ranks, forking=False, say=say)
+    _join_group(backend, timeout)
 
 
 # ---------------------------------------------------------------------------------
@@ -127,6 +198,12 @@ class _ForwardedStream:
         return False
 
 
+class _Failure(NamedTuple):
+    time: float  # the rank's clock when it caught the exception
+    traceback: str
+    phase: str  # "join" (setting up the group) or "run" (inside fn)
+
+
 def _rank_main(fn, args, kwargs, rank, world_size, port, backend, timeout, channel, start_method):
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -139,16 +216,19 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, backend, timeout, chann
     # (pytorch/pytorch#17199). One thread per forked rank is safe, and it is what a
     # simulated cluster wants anyway: each rank is one small device.
     torch.set_num_threads(1 if start_method == "fork" else max(1, (os.cpu_count() or 1) // world_size))
+    phase = "join"
     try:
-        init_from_env(backend, timeout)
+        _join_group(backend, timeout)
         dist.barrier()  # gloo group creation does not synchronise: a fast rank could exit mid-connect
+        phase = "run"
         result = fn(*args, **kwargs)
         payload = pickle.dumps(result)  # plain bytes: no shared-memory handles to outlive the rank
         _flush_output()  # before the result: the caller stops reading once it has every result
         channel.put(("ok", rank, payload))
     except BaseException:  # noqa: BLE001 - everything goes back to the caller
+        caught_at = time.time()
         _flush_output()
-        channel.put(("error", rank, (time.time(), traceback.format_exc())))
+        channel.put(("error", rank, _Failure(caught_at, traceback.format_exc(), phase)))
     finally:
         if dist.is_initialized():
             try:
@@ -172,28 +252,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _check_arguments(fn, world_size, device, backend, start_method) -> tuple[str, str]:
+def _check_arguments(fn, world_size, device, timeout, start_method) -> str:
     if not callable(fn):
         raise TypeError(f"launch() needs a function to run on each rank, got {type(fn).__name__}")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    backend = backend or ("nccl" if device == "cuda" else "gloo")
-    if backend == "gloo" and not dist.is_gloo_available():
-        raise LaunchError("this PyTorch build has no gloo backend; install a standard torch wheel")
-    if backend == "nccl":
-        if device != "cuda":
-            raise ValueError("backend 'nccl' runs on CUDA only: pass device='cuda', or use backend='gloo' on CPU")
-        if not dist.is_nccl_available() or not torch.cuda.is_available():
-            raise LaunchError("backend 'nccl' needs CUDA GPUs and an NCCL build of torch; on CPU use device='cpu' (gloo)")
-        if torch.cuda.device_count() < world_size:
-            raise LaunchError(
-                f"world_size={world_size} needs one GPU per rank but {torch.cuda.device_count()} are visible; "
-                f"lower world_size to {torch.cuda.device_count()} or use device='cpu'"
-            )
-    elif backend != "gloo":
-        raise ValueError(f"unknown backend {backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
+    if device not in DEVICES:
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
     methods = mp.get_all_start_methods()
     start_method = start_method or ("fork" if "fork" in methods else "spawn")
     if start_method not in methods:
@@ -201,13 +268,7 @@ def _check_arguments(fn, world_size, device, backend, start_method) -> tuple[str
             f"start method {start_method!r} is not available here (available: {methods}). "
             "On Windows use start_method='spawn' with a function imported from a .py module."
         )
-    if start_method == "fork" and device == "cuda" and torch.cuda.is_initialized():
-        raise LaunchError(
-            "CUDA is already initialised in this process, and forked ranks cannot use it. "
-            "Restart the kernel and call launch() before any CUDA work in the notebook, "
-            "or use start_method='spawn' with a function imported from a .py module."
-        )
-    return backend, start_method
+    return start_method
 
 
 def _end(processes: Sequence[mp.Process]) -> None:
@@ -249,7 +310,7 @@ def launch(
     args: tuple = (),
     kwargs: dict | None = None,
     *,
-    device: str = "cpu",
+    device: str = "auto",
     backend: str | None = None,
     timeout: float = 300.0,
     start_method: str | None = None,
@@ -257,22 +318,42 @@ def launch(
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` ranks; return the per-rank results.
 
-    device: "cpu" (processes over gloo) or "cuda" (NCCL, one GPU per rank).
+    device: "auto" (one GPU per rank over NCCL when there are enough GPUs, else CPU
+        processes over gloo; one printed line says which and why), "cuda" (GPUs or an
+        error before any process starts), or "cpu".
     timeout: seconds; both the process group's collective timeout and the limit on
-        the whole call. A job that runs past it is ended and LaunchTimeout raised.
+        the whole call. A job that runs past it is ended and LaunchTimeout raised
+        (within a few seconds more: a rank's own timeout error is awaited first).
     start_method: "fork" (default where available) or "spawn".
     prefix_output: prefix each line a rank prints with "[rank r] ".
     """
-    backend, start_method = _check_arguments(fn, world_size, device, backend, start_method)
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+    start_method = _check_arguments(fn, world_size, device, timeout, start_method)
+    forking = start_method == "fork"
+    backend = _device_and_backend(device, backend, world_size, forking=forking, say="shardlib.launch")
+    job = (fn, tuple(args), dict(kwargs or {}), world_size, backend, timeout, start_method, prefix_output)
+    for _ in range(_PORT_ATTEMPTS - 1):
+        try:
+            return _run(*job)
+        except _PortTaken:  # another program took the port before rank 0 bound it: choose again
+            continue
+    return _run(*job)
+
+
+_PORT_ATTEMPTS = 3
+_DEADLINE_GRACE_S = 3.0  # past `timeout`: ranks start late on a busy machine, and their own timeout error says more
+_SETTLE_S = 0.5  # after a rank fails, how long its peers' failures take to arrive
+_PATIENCE_S = 10.0  # how long to wait for a root cause when every failure so far is a lost connection
+
+
+def _run(fn, args, kwargs, world_size, backend, timeout, start_method, prefix_output) -> list[Any]:
+    """One attempt: start the ranks, collect their results, end them."""
     context = mp.get_context(start_method)
     channel = context.Queue()
     port = _free_port()
     processes = [
         context.Process(
             target=_rank_main,
-            args=(fn, tuple(args), dict(kwargs or {}), rank, world_size, port, backend, timeout, channel, start_method),
+            args=(fn, args, kwargs, rank, world_size, port, backend, timeout, channel, start_method),
             name=f"shardlib-rank-{rank}",
             daemon=True,
         )
@@ -280,88 +361,130 @@ def launch(
     ]
     for p in processes:
         p.start()
-    printer = _OutputPrinter(prefix_output and world_size > 1)
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout + 1.0  # a little past the group timeout, so its error wins
+    job = _Job(processes, channel, _OutputPrinter(prefix_output and world_size > 1))
+    deadline = time.monotonic() + timeout + _DEADLINE_GRACE_S
     try:
-        while len(results) < world_size:
-            try:
-                message = channel.get(timeout=0.05)
-            except queue.Empty:
-                message = None
-            if message is not None:
-                kind, rank = message[0], message[1]
-                if kind == "out":
-                    printer(rank, message[2], message[3])
-                elif kind == "ok":
-                    results[rank] = pickle.loads(message[2])
-                else:
-                    raise _first_failure({rank: message[2]}, channel, printer, processes, results)
-                continue
-            for rank, p in enumerate(processes):
-                if rank not in results and not p.is_alive() and p.exitcode is not None:
-                    failures = _drain_output(channel, printer, results)
-                    if failures:
-                        raise _first_failure(failures, channel, printer, processes, results)
-                    if rank in results:
-                        continue
-                    raise LaunchError(
-                        f"rank {rank} died without a Python error (exit code {p.exitcode}"
-                        f"{', killed by signal ' + str(-p.exitcode) if p.exitcode < 0 else ''}); "
-                        "it may have run out of memory or crashed in native code"
-                    )
-            if time.monotonic() > deadline:
-                running = [r for r in range(world_size) if r not in results]
-                raise LaunchTimeout(
-                    f"the job ran past its timeout of {timeout:g} s; ranks still running: {running}. "
+        while len(job.results) < world_size:
+            job.read(wait=0.05)
+            if job.failures or job.exited_without_result():
+                job.read(wait=0.2)  # what an exited rank sent before exiting is in the pipe by now
+                error = job.diagnose() if job.failures or job.exited_without_result() else None
+                if error is not None:
+                    raise error
+            elif time.monotonic() > deadline:
+                job.read(wait=0.5)  # a rank's own timeout error, if it is on its way, says more
+                found = job.diagnose() if job.failures or job.exited_without_result() else None
+                raise found or LaunchTimeout(
+                    f"the job ran past its timeout of {timeout:g} s; ranks still running: "
+                    f"{[r for r in range(world_size) if r not in job.results]}. "
                     "A rank may be waiting in a collective or recv that another rank never joins; "
                     "raise `timeout=` if the work is simply long."
                 )
     finally:
         _end(processes)
         channel.close()
-    return [results[rank] for rank in range(world_size)]
+    return [job.results[rank] for rank in range(world_size)]
 
 
-def _drain_output(channel, printer, results: dict | None = None, wait: float = 0.2) -> dict:
-    """Print what ranks wrote before they stopped; keep late results; return failures seen."""
-    failures = {}
-    while True:
-        try:
-            message = channel.get(timeout=wait)
-        except (queue.Empty, OSError, ValueError):
-            return failures
-        if message[0] == "out":
-            printer(message[1], message[2], message[3])
-        elif message[0] == "ok" and results is not None:
-            results[message[1]] = pickle.loads(message[2])
-        elif message[0] == "error":
-            failures[message[1]] = message[2]
+class _Job:
+    """The caller's view of running ranks: their results, their failures, their exit codes."""
+
+    def __init__(self, processes, channel, printer):
+        self.processes, self.channel, self.printer = processes, channel, printer
+        self.results: dict[int, Any] = {}
+        self.failures: dict[int, _Failure] = {}
+
+    def read(self, wait: float) -> None:
+        """Wait up to `wait` s for a message, then take every one already there: print, keep results and failures."""
+        while True:
+            try:
+                message = self.channel.get(timeout=wait) if wait else self.channel.get_nowait()
+            except (queue.Empty, OSError, ValueError):
+                return
+            kind, rank = message[0], message[1]
+            if kind == "out":
+                self.printer(rank, message[2], message[3])
+            elif kind == "ok":
+                self.results[rank] = pickle.loads(message[2])
+            else:
+                self.failures[rank] = message[2]
+            wait = 0.0
+
+    def exited_without_result(self) -> bool:
+        return any(p.exitcode is not None and r not in self.results and r not in self.failures
+                   for r, p in enumerate(self.processes))
+
+    def diagnose(self) -> LaunchError | None:
+        """After a failure: gather the evidence that proves a root cause, then name it.
+
+        A lost connection only ever follows another rank's end, so while every failure seen is
+        one, wait (up to _PATIENCE_S) until every rank has reported or exited.
+        """
+        started = time.monotonic()
+        while True:
+            self.read(wait=0.05)
+            waited = time.monotonic() - started
+            settled = all(r in self.results or r in self.failures or p.exitcode is not None
+                          for r, p in enumerate(self.processes))
+            decisive = self.exited_without_result() or any(
+                _failure_kind(f) != _PEER_GONE for f in self.failures.values())
+            if settled or (decisive and waited >= _SETTLE_S) or waited >= _PATIENCE_S:
+                break
+        self.read(wait=0.2)  # what the exited ranks sent before they exited
+        return _root_cause(self.failures, [p.exitcode for p in self.processes], self.results)
 
 
-_TIMEOUT_MARKERS = ("timed out", "Timed out", "timeout", "Timeout")
+# What a failure says about its cause, in the order root causes are looked for.
+_DIED, _RAISED, _TIMED_OUT, _PEER_GONE = range(4)
+_PEER_GONE_WORDS = re.compile(r"connection (closed|reset) by peer|broken pipe|socket closed|"
+                              r"communicator was aborted|remote process exit|ncclRemoteError", re.IGNORECASE)
+_TIMEOUT_WORDS = re.compile(r"timed out|timeout", re.IGNORECASE)
+_PORT_TAKEN_WORDS = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
 
 
-def _first_failure(failures: dict, channel, printer, processes, results) -> LaunchError:
-    """When one rank fails, its peers soon fail too (connection closed); blame the first."""
-    failures.update(_drain_output(channel, printer, results, wait=0.5))
-    for rank, p in enumerate(processes):
-        silent_death = rank not in failures and rank not in results and p.exitcode not in (None, 0)
-        if silent_death:  # died in native code or was killed: the likeliest cause of the rest
-            return LaunchError(
-                f"rank {rank} died without a Python error (exit code {p.exitcode}); "
-                f"ranks {sorted(failures)} failed after it. It may have run out of memory or been killed."
-            )
-    rank = min(failures, key=lambda r: failures[r][0])
-    error = RankError(rank, failures[rank][1])
+def _exception_line(failure: _Failure) -> str:
+    lines = failure.traceback.strip().splitlines()
+    return lines[-1] if lines else ""  # the exception, not the code lines quoted above it
+
+
+def _failure_kind(failure: _Failure) -> int:
+    line = _exception_line(failure)
+    return _PEER_GONE if _PEER_GONE_WORDS.search(line) else _TIMED_OUT if _TIMEOUT_WORDS.search(line) else _RAISED
+
+
+def _root_cause(failures: dict[int, _Failure], exitcodes: list[int | None], results: dict) -> LaunchError | None:
+    """The error to raise for a failed job, or None when every exited rank left a result.
+
+    Root causes, first to last: a rank that exited without a word (killed, crashed in native code),
+    a rank that raised, a rank that timed out, and only then a rank that lost its connection to a
+    peer. Among equals, the earlier failure (then the lower rank) is named.
+    """
+    silent = [r for r, code in enumerate(exitcodes) if code is not None and r not in failures and r not in results]
+    if silent:
+        rank, code = silent[0], exitcodes[silent[0]]
+        after = f"; ranks {sorted(failures)} failed after it" if failures else ""
+        return LaunchError(
+            f"rank {rank} died without a Python error (exit code {code}"
+            f"{', killed by signal ' + str(-code) if code < 0 else ''}){after}. "
+            "It may have run out of memory, crashed in native code, or been killed."
+        )
+    if not failures:
+        return None
+    rank = min(failures, key=lambda r: (_failure_kind(failures[r]), failures[r].time, r))
+    failure = failures[rank]
+    if failure.phase == "join" and _PORT_TAKEN_WORDS.search(_exception_line(failure)):
+        return _PortTaken(f"rank {rank} could not bind the rendezvous port: another program holds it")
+    error = RankError(rank, failure.traceback)
+    message = error.args[0]
     others = sorted(set(failures) - {rank})
     if others:
-        error.args = (error.args[0] + f"\n(ranks {others} failed after it, most likely because rank {rank} stopped.)",)
-    exception_line = failures[rank][1].strip().splitlines()[-1]  # not the code lines quoted above it
-    if any(m in exception_line for m in _TIMEOUT_MARKERS):
-        error.args = (
-            f"rank {rank} timed out in a collective or point-to-point call: a peer never joined it "
-            "(ranks calling different collectives, or a recv with no matching send). "
-            + error.args[0],
-        )
+        message += f"\n(ranks {others} failed too, most likely because rank {rank} stopped.)"
+    kind = _failure_kind(failure)
+    if kind == _TIMED_OUT:
+        message = ("rank {0} timed out in a collective or point-to-point call: a peer never joined it "
+                   "(ranks calling different collectives, or a recv with no matching send). ").format(rank) + message
+    elif kind == _PEER_GONE:
+        message = (f"rank {rank} lost its connection to a peer, and no rank reported why within "
+                   f"{_PATIENCE_S:g} s. ") + message
+    error.args = (message,)
     return error

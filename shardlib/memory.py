@@ -196,6 +196,16 @@ def zero_comm_elements(n_params: float, world_size: int, stage: int) -> float:
     return passes * (world_size - 1) / world_size * n_params
 
 
+def offloaded_model_state_bytes(n_params: float, world_size: int, stage: int, recipe="mixed_adam") -> dict:
+    """Model states of one rank with the optimizer offloaded to the CPU (ZeRO-Offload, arXiv 2101.06840):
+    dict(device, host). The device keeps the parameters and gradients of `zero_model_state_bytes`; the
+    host keeps the optimizer state (with mixed_adam the fp32 master, m and v: 12 Psi/N, or 12 Psi at
+    stage 0). Per step the gradients go down and the parameters come back: see
+    shardlib.parallel.offload.offload_bytes_per_step."""
+    states = zero_model_state_bytes(n_params, world_size, stage, recipe)
+    return dict(device=states["params"] + states["grads"], host=states["optimizer"])
+
+
 # ---------------------------------------------------------------------------------
 # activations
 
@@ -292,9 +302,14 @@ def saved_activation_bytes(fn, *args, **kwargs) -> int:
 
 
 def peak_cuda_bytes(fn, *args, device=None, **kwargs) -> int:
-    """CUDA only: torch.cuda.max_memory_allocated while fn runs, above what was allocated before."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("peak_cuda_bytes needs a CUDA device; on CPU use saved_activation_bytes")
+    """CUDA only: torch.cuda.max_memory_allocated while fn runs, above what was allocated before.
+
+    device: a CUDA device (default: this rank's, shardlib.current_device())."""
+    from shardlib.launch import current_device
+
+    device = torch.device(device) if device is not None else current_device()
+    if device.type != "cuda":
+        raise RuntimeError(f"peak_cuda_bytes measures a CUDA device, not {device}; on CPU use saved_activation_bytes")
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)

@@ -11,23 +11,34 @@ shaped so that every technique in the course has something to split:
 Parameter count of the GPT (h = n_embd, L = n_layer, V = vocab_size, T = seq_len,
 biases and LayerNorms included):
 
-    Psi = V*h + T*h + L*(12*h^2 + 13*h) + 2*h + h*V        (untied output head)
+    Psi = V*h + T*h + L*(12*h^2 + 12*h) + 2*h + h*V        (untied output head)
 
-`text_batches` turns the course text in data/ into (inputs, targets) byte batches.
+The key projection has no bias: q . (k + b) shifts every score of a query's row by the same
+q . b, which softmax ignores, so that bias would get an exactly zero gradient (its computed
+gradient is rounding noise). Per block: q, k, v, o weights 4h^2, MLP 8h^2, biases of q, v, o 3h,
+MLP 5h, two LayerNorms 4h. With n_experts = E > 0 every block's MLP is a mixture of experts
+(shardlib/parallel/experts.py): E MLPs of 8h^2 + 5h and a router of h*E, adding L*((E-1)(8h^2 + 5h) + h*E).
+With grouped-query attention (n_kv_head < n_head key/value heads of h/n_head each,
+h_kv = n_kv_head * h/n_head) the k and v weights are h*h_kv and the v bias h_kv: each block has
+(2h + 1)(h - h_kv) parameters fewer.
+
+`text_batches` turns the course text in shardlib/data/ into (inputs, targets) byte batches.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-COURSE_TEXT = DATA_DIR / "course_text.txt"
+from shardlib.parallel.experts import MoE
+from shardlib.resources import data_path
+
+DATA_DIR = data_path()  # shardlib/data, shipped inside the package (shardlib.resources)
+COURSE_TEXT = data_path("course_text.txt")
 
 
 # ---------------------------------------------------------------------------------
@@ -77,16 +88,44 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     dropout: float = 0.0
+    # grouped-query attention (Ainslie et al., arXiv 2305.13245): n_kv_head key/value heads, each shared by
+    # n_head / n_kv_head query heads; None: n_head (multi-head attention). The KV cache shrinks by n_head / n_kv_head
+    n_kv_head: int | None = None
+    # mixture of experts (shardlib/parallel/experts.py): 0 = the dense MLP; else n_experts expert
+    # MLPs of 4h, top_k per token, capacity_factor, and the load-balancing loss added with aux_loss_coef
+    n_experts: int = 0
+    top_k: int = 1
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.n_kv_head is not None and (self.n_kv_head < 1 or self.n_head % self.n_kv_head):
+            raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (each key/value head "
+                             f"serves n_head / n_kv_head query heads): use one of "
+                             f"{[d for d in range(1, self.n_head + 1) if self.n_head % d == 0]}")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads per layer: n_kv_head, or n_head without grouped-query attention."""
+        return self.n_kv_head or self.n_head
 
     @property
     def n_params(self) -> int:
         """Psi from the formula in the module docstring."""
         h, L, V, T = self.n_embd, self.n_layer, self.vocab_size, self.seq_len
-        return V * h + T * h + L * (12 * h * h + 13 * h) + 2 * h + h * V
+        moe = L * ((self.n_experts - 1) * (8 * h * h + 5 * h) + h * self.n_experts) if self.n_experts else 0
+        gqa = L * (2 * h + 1) * (self.kv_heads * (h // self.n_head) - h)  # k, v weights and v bias shrink to h_kv
+        return V * h + T * h + L * (12 * h * h + 12 * h) + 2 * h + h * V + moe + gqa  # moe: E MLPs and a router
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Grouped-query attention: each key/value head serves n_rep consecutive query heads.
+    (B, n_kv, T, hd) -> (B, n_kv * n_rep, T, hd)."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
 class CausalSelfAttention(nn.Module):
@@ -94,15 +133,17 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         h = config.n_embd
         self.n_head, self.head_dim = config.n_head, h // config.n_head
-        self.q_proj, self.k_proj, self.v_proj = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
+        h_kv = config.kv_heads * self.head_dim  # grouped-query attention: fewer key/value heads than query heads
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(h, h), nn.Linear(h, h_kv, bias=False), nn.Linear(h, h_kv)
         self.o_proj = nn.Linear(h, h)
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, C)
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])  # (B, nh, T, hd)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C); -1 so a head-split copy works too
@@ -125,7 +166,8 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = FeedForward(config)
+        self.mlp = MoE(config.n_embd, config.n_experts, config.top_k, config.capacity_factor) \
+            if config.n_experts else FeedForward(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
         x = x + self.attn(self.ln_1(x))
@@ -143,7 +185,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
-            if name.endswith(("o_proj.weight", "mlp.proj.weight")):
+            if name.endswith(("o_proj.weight", "mlp.proj.weight", "mlp.w2")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
@@ -166,6 +208,8 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        if self.config.n_experts:  # each MoE layer's load-balancing loss (Switch, arXiv 2101.03961)
+            loss = loss + self.config.aux_loss_coef * sum(block.mlp.aux_loss for block in self.blocks)
         return logits, loss
 
     @torch.no_grad()
@@ -199,7 +243,8 @@ def decode(ids: torch.Tensor) -> str:
 
 def load_course_text() -> torch.Tensor:
     if not COURSE_TEXT.exists():
-        raise FileNotFoundError(f"{COURSE_TEXT} is missing: the course text ships in the repository's data/ folder")
+        raise FileNotFoundError(f"{COURSE_TEXT} is missing: the course text ships inside the package (shardlib/data); "
+                                "reinstall shardlib")
     return encode(COURSE_TEXT.read_text(encoding="utf-8"))
 
 

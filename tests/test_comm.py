@@ -76,10 +76,7 @@ def torch_reduce_scatter_padded(numel_per_rank: int):
     padded = torch.zeros(n * c)
     padded[:numel_per_rank] = x
     shard = torch.empty(c)
-    if hasattr(dist, "reduce_scatter_single"):
-        dist.reduce_scatter_single(shard, padded)
-    else:
-        dist.reduce_scatter_tensor(shard, padded)
+    ops.reduce_scatter_tensor(shard, padded)  # torch.distributed's, whatever this torch names it
     return shard, ring_reduce_scatter(x)
 
 

@@ -105,3 +105,72 @@ def test_ci_and_make_call_the_readme_commands():
     makefile = (REPO_ROOT / "Makefile").read_text(encoding="utf-8")
     for target, command in [("course", "course.py"), ("test", "course.py test"), ("labs", "course.py labs")]:
         assert re.search(rf"^{target}:.*\n\t\$\(PYTHON\) {re.escape(command)}$", makefile, re.M), target
+
+
+def test_k_with_a_folder_name_keeps_every_test_path():
+    """`course.py test -k tests`: "tests" is -k's expression, not a path; notebooks still run."""
+    course = load_course()
+    assert course.named_paths(["-k", "tests"]) == []
+    assert course.named_paths(["-m", "not slow", "-x"]) == []
+    assert course.named_paths(["-k", "ring", "tests/test_course.py::test_windows_interpreter_path"]) == [
+        "tests/test_course.py::test_windows_interpreter_path"]
+    assert course.named_paths(["-knotebooks", "notebooks"]) == ["notebooks"]  # a value inside its option
+    assert course.named_paths(["--maxfail=1", "tests"]) == ["tests"]
+
+
+def test_test_command_with_k_still_runs_tests_and_notebooks(monkeypatch):
+    course = load_course()
+    called = []
+    monkeypatch.setattr(course, "call", lambda command, **kwargs: called.append([str(p) for p in command]) or 0)
+    assert course.run_tests(Path("python"), ["-k", "tests"]) == 0
+    assert called[0][:5] == ["python", "-m", "pytest", "tests", "notebooks"] and called[0][-2:] == ["-k", "tests"]
+
+
+def test_cpu_torch_installs_pytorchs_cpu_build_at_pyprojects_version_first(course, tmp_path: Path):
+    import tomllib
+
+    (tmp_path / "pyproject.toml").write_text((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    torch_requirement = next(r for r in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+                             ["dependencies"] if r.startswith("torch"))
+    course.ensure_environment(cpu_torch=True)
+    pips = [command[1:] for command in course.commands if command[1:3] == ["-m", "pip"]]
+    assert pips[-2:] == [["-m", "pip", "install", torch_requirement, "--index-url", "https://download.pytorch.org/whl/cpu"],
+                         ["-m", "pip", "install", "-e", "."]]
+    course.commands.clear()
+    course.ensure_environment(cpu_torch=True)  # remembered: nothing to do
+    course.ensure_environment()  # and a plain run keeps the CPU build
+    assert course.commands == []
+
+
+def test_default_setup_never_reaches_the_cpu_index(course):
+    course.ensure_environment()
+    assert not any("download.pytorch.org" in " ".join(command) for command in course.commands)
+
+
+def test_cpu_torch_flag_is_not_passed_to_jupyter(monkeypatch):
+    course = load_course()
+    seen = {}
+    monkeypatch.setattr(course, "ensure_environment", lambda cpu_torch=False: seen.setdefault("cpu", cpu_torch) and Path("py"))
+    monkeypatch.setattr(course, "open_course", lambda python, extra: seen.setdefault("extra", extra) and 0)
+    course.main(["--cpu-torch", "--no-browser"])
+    assert seen == {"cpu": True, "extra": ["--no-browser"]}
+
+
+@pytest.mark.parametrize("root", [True, False])
+def test_lab_as_root_passes_allow_root_and_says_so(monkeypatch, capsys, root):
+    course = load_course()
+    called = []
+    monkeypatch.setattr(course, "running_as_root", lambda: root)
+    monkeypatch.setattr(course, "call", lambda command, **kwargs: called.append([str(p) for p in command]) or 0)
+    course.open_course(Path("python"), ["--no-browser"])
+    assert ("--allow-root" in called[0]) == root
+    assert ("passing --allow-root" in capsys.readouterr().out) == root
+
+
+def test_a_reinstall_keeps_the_cpu_build_once_chosen(course, tmp_path: Path):
+    course.ensure_environment(cpu_torch=True)
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\ndependencies = ['torch>=2.7']\n")
+    course.commands.clear()
+    course.ensure_environment()  # pyproject changed, no flag given
+    assert [c[4:7] for c in course.commands if "--index-url" in c] == [["torch>=2.7", "--index-url",
+                                                                        "https://download.pytorch.org/whl/cpu"]]

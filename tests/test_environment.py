@@ -93,3 +93,19 @@ def test_agreement_rules_can_fail():
     assert agrees("=", "3.11", SpecifierSet(">=3.10"))
     assert not agrees(">=", "2.0", SpecifierSet(">=2.6"))
     assert parse_conda_spec("pytorch>=2.6") == ("pytorch", ">=", "2.6")
+
+
+def test_package_data_covers_every_shipped_data_and_config_file():
+    """What the wheel carries besides code (pyproject's package-data): every file of shardlib/data and
+    shardlib/configs, so that shardlib.resources finds them in any install (test_packaging builds one)."""
+    from fnmatch import fnmatch
+
+    package_data = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"][
+        "package-data"]
+    for package in ("shardlib.data", "shardlib.configs"):
+        folder = REPO_ROOT.joinpath(*package.split("."))
+        files = [p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                 if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts]
+        assert files, f"{folder} holds no data"
+        missing = [f for f in files if not any(fnmatch(f, pattern) for pattern in package_data.get(package, []))]
+        assert not missing, f"{package}: {missing} would be left out of the wheel; add a pattern to package-data"

@@ -20,21 +20,24 @@ import pytest
 import torch
 
 from shardlib import LaunchError, launch
-from shardlib.finetune import FinetuneConfig, check_before_launch, parse_args, train
+from shardlib.finetune import FinetuneConfig, check_before_launch, train
 from shardlib.finetune.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, model_fingerprint, read_metadata
-from shardlib.finetune.data import DatasetError, global_batch_indices, load_dataset, rank_slice, read_split
-from shardlib.finetune.model import (STRATEGIES, ModelLoadError, check_strategy, load_classifier, resolve_model_path,
-                                     strategy_from_launch_env)
+from shardlib.finetune.cli import parse_args
+from shardlib.finetune.data import DatasetError, default_data_dir, global_batch_indices, load_dataset, rank_share, read_split
+from shardlib.finetune.faults import KillRank
+from shardlib.finetune.model import (STRATEGY_SUMMARIES, ModelLoadError, check_strategy, load_classifier,
+                                     resolve_model_path, strategy_from_launch_env)
 from shardlib.memory import zero_model_state_bytes
+from shardlib.resources import config_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DATA = REPO_ROOT / "data" / "topics"
+DATA = default_data_dir()  # shipped inside the package: shardlib/data/topics
 TINY = dict(max_length=16, batch_size=8, max_steps=4, max_eval_examples=48, progress=False)
 
 
-def run(tmp: Path, world_size: int = 2, **overrides) -> list[dict]:
-    config = FinetuneConfig(**{**TINY, "output_dir": str(tmp), **overrides})
-    return launch(train, world_size, args=(config,), timeout=600, prefix_output=False)
+def run(tmp: Path, world_size: int = 2, fault=None, **overrides) -> list[dict]:
+    config = FinetuneConfig(**{**TINY, "output_dir": str(tmp), "device": "cpu", **overrides})
+    return launch(train, world_size, args=(config, fault), device="cpu", timeout=600, prefix_output=False)
 
 
 def losses(result: dict) -> list[float]:
@@ -59,8 +62,8 @@ def crashed(tmp_path_factory):
     """The reference run again, with rank 1 killed (SIGKILL) while it writes the step-3 checkpoint."""
     out = tmp_path_factory.mktemp("crashed")
     with pytest.raises(LaunchError) as error:
-        run(out, strategy="FULL_SHARD", checkpoint_every=1, keep_checkpoints=5, crash_at_step=3,
-            crash_during_save=True)
+        run(out, strategy="FULL_SHARD", checkpoint_every=1, keep_checkpoints=5,
+            fault=KillRank(rank=1, at_step=3, during_save=True))
     return out, error.value
 
 
@@ -69,7 +72,7 @@ def crashed(tmp_path_factory):
 
 
 def test_strategy_names_are_checked_before_launch(capsys):
-    assert [check_strategy(s.lower()) for s in STRATEGIES] == list(STRATEGIES)
+    assert [check_strategy(s.lower()) for s in STRATEGY_SUMMARIES] == list(STRATEGY_SUMMARIES)
     with pytest.raises(ValueError, match="unknown strategy 'ZERO_4'.*DDP, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD"):
         FinetuneConfig(strategy="ZERO_4")
     with pytest.raises(SystemExit):
@@ -132,7 +135,7 @@ def test_data_order_is_a_function_of_seed_and_step():
     epoch0 = [i for b in a[:62] for i in b]
     assert len(set(epoch0)) == 62 * 16  # no example twice within an epoch
     assert a[62] != a[0]  # a new permutation each epoch
-    assert rank_slice(a[0], 0, 2) + rank_slice(a[0], 1, 2) == a[0]
+    assert rank_share(a[0], 0, 2) + rank_share(a[0], 1, 2) == a[0]
 
 
 # ---------------------------------------------------------------------------------
@@ -174,6 +177,7 @@ def test_committed_data_is_what_the_generator_writes(tmp_path, monkeypatch):
 # sharded runs
 
 
+@pytest.mark.slow
 def test_each_rank_holds_one_half_of_every_parameter(reference):
     _, results = reference
     plain, _ = load_classifier("sentence-transformers/all-MiniLM-L6-v2", results[0]["labels"], seed=0)
@@ -184,6 +188,7 @@ def test_each_rank_holds_one_half_of_every_parameter(reference):
     assert results[0]["units"] == [f"bert.encoder.layer.{i}" for i in reversed(range(6))] + ["bert.embeddings", ""]
 
 
+@pytest.mark.slow
 def test_full_shard_model_states_match_the_zero3_formula(reference):
     _, results = reference
     predicted = zero_model_state_bytes(results[0]["n_params"], 2, 3, recipe="fp32_adam")
@@ -193,6 +198,7 @@ def test_full_shard_model_states_match_the_zero3_formula(reference):
             assert measured[key] == pytest.approx(predicted[key], rel=0.01), key
 
 
+@pytest.mark.slow
 def test_ddp_and_full_shard_losses_agree(reference, tmp_path):
     _, fsdp = reference
     ddp = run(tmp_path, strategy="DDP", measure_memory=True, stop_after=3)
@@ -202,6 +208,7 @@ def test_ddp_and_full_shard_losses_agree(reference, tmp_path):
     assert ddp[0]["memory"]["after_backward"]["total"] == pytest.approx(predicted["total"], rel=0.01)
 
 
+@pytest.mark.slow
 def test_killed_rank_ends_the_launch_and_the_last_checkpoint_loads(crashed):
     out, error = crashed
     assert "rank 1" in str(error) and ("exit code -9" in str(error) or "killed" in str(error))
@@ -211,6 +218,7 @@ def test_killed_rank_ends_the_launch_and_the_last_checkpoint_loads(crashed):
     assert read_metadata(checkpoints / "step_000002")["step"] == 2
 
 
+@pytest.mark.slow
 def test_resume_after_the_kill_equals_the_uninterrupted_run(reference, crashed):
     out, _ = crashed
     resumed = run(out, strategy="FULL_SHARD", resume=True, activation_checkpointing=True, export=False)
@@ -219,6 +227,7 @@ def test_resume_after_the_kill_equals_the_uninterrupted_run(reference, crashed):
     assert resumed[0]["test"]["accuracy"] == reference[1][0]["test"]["accuracy"]
 
 
+@pytest.mark.slow
 def test_resume_on_another_world_size_is_close(reference, tmp_path):
     """With dropout off, a step does the same arithmetic on any number of ranks (up to sums' order)."""
     ref_out, _ = reference
@@ -231,6 +240,7 @@ def test_resume_on_another_world_size_is_close(reference, tmp_path):
     assert len(losses(one[0])) == 2
 
 
+@pytest.mark.slow
 def test_exported_model_loads_on_one_device_with_the_same_accuracy(reference):
     out, results = reference
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -250,6 +260,7 @@ def test_exported_model_loads_on_one_device_with_the_same_accuracy(reference):
     assert correct == round(results[0]["test"]["accuracy"] * n)
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model_is_refused(reference, tmp_path):
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -277,8 +288,8 @@ def test_shipped_accelerate_configs_set_up_the_strategy_they_name():
                 "fsdp2_1node_4gpu.yaml": ("FULL_SHARD", 4), "fsdp2_1node_8gpu.yaml": ("FULL_SHARD", 8),
                 "fsdp2_1node_8gpu_shard_grad_op.yaml": ("SHARD_GRAD_OP", 8),
                 "fsdp2_2node_8gpu_hybrid.yaml": ("HYBRID_SHARD", 16)}
-    configs = REPO_ROOT / "shardlib" / "configs" / "accelerate"
-    assert sorted(p.name for p in configs.glob("*.yaml")) == sorted(expected)
+    configs = config_path("accelerate")
+    assert sorted(p.name for p in configs.glob("fsdp2_*.yaml")) == sorted(expected)
     for name, (strategy, processes) in expected.items():
         args = launch_command_parser().parse_args(["--config_file", str(configs / name), "--main_process_port", "0",
                                                    "-m", "shardlib.finetune"])
@@ -287,14 +298,15 @@ def test_shipped_accelerate_configs_set_up_the_strategy_they_name():
         assert (strategy_from_launch_env(env), args.num_processes) == (strategy, processes), name
         assert env["FSDP_VERSION"] == "2" and env["FSDP_STATE_DICT_TYPE"] == "SHARDED_STATE_DICT"
         assert env["FSDP_AUTO_WRAP_POLICY"] == "TRANSFORMER_BASED_WRAP"
-    slurm = (REPO_ROOT / "shardlib" / "configs" / "slurm_2node.sbatch").read_text()
+    slurm = config_path("slurm_2node.sbatch").read_text()
     assert "fsdp2_2node_8gpu_hybrid.yaml" in slurm and "#SBATCH --nodes=2" in slurm
 
 
+@pytest.mark.slow
 def test_accelerate_launch_with_an_fsdp_config_runs_on_cpu(reference, tmp_path):
     """On CPU Accelerate applies no FSDP plugin; the script shards with fully_shard itself,
     per BertLayer as the config says, and computes the reference's losses."""
-    config = REPO_ROOT / "shardlib" / "configs" / "accelerate" / "fsdp2_1node_2gpu.yaml"
+    config = config_path("accelerate", "fsdp2_1node_2gpu.yaml")
     accelerate = Path(sys.executable).with_name("accelerate")
     command = [str(accelerate), "launch", "--config_file", str(config), "--main_process_port", "0",
                "-m", "shardlib.finetune", "--device", "cpu", "--output-dir", str(tmp_path), "--max-steps", "4",
@@ -307,3 +319,136 @@ def test_accelerate_launch_with_an_fsdp_config_runs_on_cpu(reference, tmp_path):
     assert summary["units"][:6] == [f"bert.encoder.layer.{i}" for i in reversed(range(6))]
     assert losses(summary) == pytest.approx(losses(reference[1][0]), abs=1e-5)
     assert json.loads(done.stdout.strip().splitlines()[-1])["test_accuracy"] == reference[1][0]["test"]["accuracy"]
+
+
+# ---------------------------------------------------------------------------------
+# devices, mixed precision, launching from a notebook, reading failures (no training)
+
+
+def test_mixed_precision_follows_the_gpu_and_bf16_without_native_support_names_fp16():
+    from shardlib.finetune.config import resolve_mixed_precision
+
+    assert resolve_mixed_precision("auto", "cpu") == "no"
+    assert resolve_mixed_precision("auto", "cuda", (8, 0)) == "bf16"  # A100
+    assert resolve_mixed_precision("auto", "cuda", (9, 0)) == "bf16"  # H100
+    assert resolve_mixed_precision("auto", "cuda", (7, 5)) == "fp16"  # T4
+    assert resolve_mixed_precision("auto", "cuda", (7, 0)) == "fp16"  # V100
+    assert resolve_mixed_precision("fp16", "cuda", (8, 6)) == "fp16" and resolve_mixed_precision("no", "cuda", (7, 5)) == "no"
+    with pytest.raises(ValueError, match=r"Tesla T4 \(sm_75\) has no native bf16.*use mixed_precision='fp16'"):
+        resolve_mixed_precision("bf16", "cuda", (7, 5), "Tesla T4")
+    with pytest.raises(ValueError, match="'fp16' needs a GPU"):
+        resolve_mixed_precision("fp16", "cpu")
+    with pytest.raises(ValueError, match="mixed_precision must be one of auto, no, bf16, fp16"):
+        FinetuneConfig(mixed_precision="fp8")
+
+
+def test_the_launcher_reads_the_gpus_capability_through_nvml(monkeypatch):
+    """check_before_launch decides the format from shardlib.devices (NVML), never from CUDA itself."""
+    from shardlib.devices import GPU
+    from shardlib.finetune import notebook
+
+    t4s = [GPU(index=i, name="Tesla T4", total_memory=16 << 30, capability=(7, 5), uuid=f"GPU-{i}") for i in range(2)]
+    monkeypatch.setattr(notebook, "visible_gpus", lambda: t4s)
+    assert check_before_launch(FinetuneConfig(batch_size=8), 2, "cuda") == "fp16"
+    with pytest.raises(ValueError, match=r"Tesla T4 \(cuda:0\) \(sm_75\) has no native bf16.*'fp16'"):
+        check_before_launch(FinetuneConfig(batch_size=8, mixed_precision="bf16"), 2, "cuda")
+
+
+def test_too_few_gpus_fail_before_launch_naming_both_counts(monkeypatch):
+    from shardlib.finetune import notebook
+
+    with pytest.raises(ValueError, match=r"^run_in_notebook\(num_processes=2\): device='cuda' .*world_size=2\b.*\b0 GPU"):
+        notebook.choose_device("cuda", 2)  # here: no GPU at all (shardlib.devices words the reason)
+    assert notebook.choose_device("cpu", 2) == "cpu"
+    monkeypatch.setattr(notebook, "resolve_device", lambda device, n, forking: __import__("shardlib.devices").devices
+                        .DeviceChoice("cpu", f"{n} ranks need {n} GPUs (one per rank) and 1 is visible"))
+    assert notebook.choose_device("auto", 2) == "cpu"
+
+
+def _fake_train(config, fault=None):
+    """Stands in for train() where only the launching is tested: writes rank 0's summary."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    summary = {"rank": rank, "world_size": world, "device": config.device}
+    if rank == 0:
+        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(config.output_dir) / "summary.json").write_text(json.dumps(summary))
+    return summary
+
+
+@pytest.mark.slow
+def test_run_in_notebook_routes_one_rank_to_a_forked_process_and_prints_no_cuda_banner(tmp_path, monkeypatch, capfd):
+    """One rank: shardlib.launch forks it (notebook_launcher would run it inside the kernel). Two:
+    notebook_launcher, with its "Launching training on 2 CUDAs" banner replaced by the truth."""
+    from shardlib.finetune import run_in_notebook
+
+    train_module = importlib.import_module("shardlib.finetune.train")  # the module (the package's `train` is the function)
+    monkeypatch.setattr(train_module, "train", _fake_train)
+    config = FinetuneConfig(batch_size=8, output_dir=str(tmp_path), device="cpu")
+    one = run_in_notebook(config, 1)
+    assert one == {"rank": 0, "world_size": 1, "device": "cpu"}
+    assert run_in_notebook(config, 2) == {"rank": 0, "world_size": 2, "device": "cpu"}
+    out = capfd.readouterr()
+    assert "CUDA" not in out.out + out.err, out.out + out.err
+    assert "Launching training on 1 CPU process with shardlib.launch" in out.out
+    assert "Launching training on 2 CPU processes with accelerate.notebook_launcher" in out.out
+
+
+def test_kill_rank_never_kills_the_process_that_made_it():
+    from shardlib.finetune.faults import InjectedFault
+
+    fault = KillRank(rank=0, at_step=3)
+    fault("step", 2, 0)
+    fault("save", 3, 0)  # a save, not the step: nothing
+    fault("step", 3, 1)  # another rank: nothing
+    with pytest.raises(InjectedFault, match="rank 0 stopped at step 3"):
+        fault("step", 3, 0)
+
+
+def test_launch_failure_reads_either_report_of_a_killed_rank(tmp_path):
+    """The elastic launcher reports whichever failed rank its poll finds first (see launch_failure):
+    the killed rank 1, or rank 0 whose collective died of the broken connection. Both are read."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from shardlib.finetune import launch_failure
+    from shardlib.launch import LaunchError
+
+    killed = ChildFailedError("train", {1: ProcessFailure(local_rank=1, pid=11, exitcode=-9, error_file="<N/A>")})
+    assert launch_failure(killed) == {"error": "ChildFailedError", "rank": 1, "exitcode": -9, "signal": "SIGKILL",
+                                      "message": "Signal 9 (SIGKILL) received by PID 11"}
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps({"message": {"message": "RuntimeError: [pair.cc:534] Connection closed by peer",
+                                                  "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "1"}}}))
+    peer = ChildFailedError("train", {0: ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=str(error_file))})
+    assert launch_failure(peer) == {"error": "ChildFailedError", "rank": 0, "exitcode": 1, "signal": None,
+                                    "message": "RuntimeError: [pair.cc:534] Connection closed by peer"}
+    died = LaunchError("rank 0 died without a Python error (exit code -9, killed by signal 9). It may have ...")
+    assert launch_failure(died)["rank"] == 0 and launch_failure(died)["signal"] == "SIGKILL"
+    assert launch_failure(ValueError("bad"))["message"] == "bad"
+
+
+def test_a_rank_that_lost_its_peer_waits_to_be_ended_and_other_errors_pass_at_once(monkeypatch):
+    """rank_main (what notebook_launcher's ranks run): a lost peer is a consequence, so that rank waits
+    for the launcher to find the dead rank first; any other error is raised without waiting."""
+    import signal
+    import time
+
+    from shardlib.finetune import notebook
+
+    train_module = importlib.import_module("shardlib.finetune.train")
+    monkeypatch.setattr(notebook, "PEER_GRACE_S", 0.3)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        for message, waits in [("[pair.cc:545] Read error: Connection reset by peer", True), ("CUDA out of memory", False)]:
+            def failing(config, fault=None, message=message):
+                raise RuntimeError(message)
+
+            monkeypatch.setattr(train_module, "train", failing)
+            started = time.perf_counter()
+            with pytest.raises(RuntimeError, match=message.split(":")[-1].strip()):
+                notebook.rank_main(FinetuneConfig())
+            assert (time.perf_counter() - started >= 0.3) == waits, message
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -127,3 +128,87 @@ def test_command_line(tmp_path: Path, monkeypatch, capsys):
     assert cli(["labs"]) == 0
     assert cli(["labs", "--check"]) == 0
     assert (tmp_path / "labs" / "99_scale.ipynb").exists()
+
+
+# ---------------------------------------------------------------------------------
+# nbgrader metadata, layered hints, project labs
+
+NBGRADER_KEYS = {"grade", "grade_id", "locked", "schema_version", "solution", "task", "points"}
+
+
+def graded_notebook() -> nbformat.NotebookNode:
+    notebook = solution_notebook()
+    notebook.cells.append(nbformat.v4.new_code_cell("assert scale([2], 2) == [4]",
+                                                    metadata={"tags": ["check"], "nbgrader": {"points": 3}}))
+    notebook.cells.insert(1, nbformat.v4.new_markdown_cell(
+        "Stuck? Open one hint at a time.\n\n#### a nudge\nMultiply.\n\n#### the outline\n```\ny = x * factor\n```",
+        metadata={"tags": ["hints"]}))
+    return notebook
+
+
+def test_every_lab_cell_carries_nbgrader_metadata():
+    """nbgrader's cell metadata, schema 3 (https://nbgrader.readthedocs.io/en/stable/contributor_guide/metadata.html)."""
+    lab = labgen.make_lab(graded_notebook(), "solutions/99_scale.ipynb")
+    meta = [cell["metadata"]["nbgrader"] for cell in lab["cells"]]
+    for cell, m in zip(lab["cells"], meta):
+        assert set(m) <= NBGRADER_KEYS and m["schema_version"] == 3, m
+        assert all(isinstance(m[key], bool) for key in ("grade", "locked", "solution", "task")), m
+        assert re.fullmatch(r"[a-zA-Z0-9_\-]+", m["grade_id"]), m
+        assert ("points" in m) == m["grade"], m  # points exactly on graded cells
+        if cell["cell_type"] == "markdown":
+            assert not m["grade"] and not m["solution"], m  # nbgrader: a graded markdown cell must be an answer
+    assert len({m["grade_id"] for m in meta}) == len(meta), "grade ids must be unique"
+    kinds = [(m["grade_id"], m["solution"], m["grade"], m["locked"], m.get("points")) for m in meta]
+    assert kinds == [("generated-lab-note", False, False, True, None), ("cell-0", False, False, True, None),
+                     ("cell-1", False, False, True, None), ("answer-1", True, False, False, None),
+                     ("check-1", False, True, True, 1), ("check-2", False, True, True, 3)], kinds
+    checks = [cell for cell in lab["cells"] if cell["metadata"]["nbgrader"]["grade"]]
+    assert all(c["metadata"]["editable"] is False and c["metadata"]["deletable"] is False for c in checks)
+    assert lab["cells"][3]["metadata"]["deletable"] is False and "editable" not in lab["cells"][3]["metadata"]
+    nbformat.validate(nbformat.from_dict(lab))
+
+
+def test_hints_are_folded_one_by_one():
+    lab = labgen.make_lab(graded_notebook(), "solutions/99_scale.ipynb")
+    text = "".join(lab["cells"][2]["source"])
+    assert text == ("Stuck? Open one hint at a time.\n\n"
+                    "<details><summary>Hint 1 of 2: a nudge</summary>\n\nMultiply.\n\n</details>\n\n"
+                    "<details><summary>Hint 2 of 2: the outline</summary>\n\n```\ny = x * factor\n```\n\n</details>")
+    bare = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("no headings", metadata={"tags": ["hints"]}),
+                                           *solution_notebook().cells[1:2]])
+    with pytest.raises(labgen.LabError, match="one '#### title' heading per hint"):
+        labgen.make_lab(bare, "solutions/99_bad.ipynb")
+
+
+def test_a_check_holding_the_answer_or_bad_points_is_refused():
+    notebook = solution_notebook()
+    notebook.cells[3].source = "### BEGIN SOLUTION\nx = 1\n### END SOLUTION\nassert x"
+    with pytest.raises(labgen.LabError, match="check cell holds a solution region"):
+        labgen.make_lab(notebook, "solutions/99_bad.ipynb")
+    notebook = solution_notebook()
+    notebook.cells[3].metadata["nbgrader"] = {"points": -1}
+    with pytest.raises(labgen.LabError, match="points must be a number >= 0"):
+        labgen.make_lab(notebook, "solutions/99_bad.ipynb")
+
+
+def test_nbgrader_source_keeps_the_answers_with_the_labs_metadata():
+    source = labgen.nbgrader_source(graded_notebook(), "solutions/99_scale.ipynb")
+    lab = labgen.make_lab(graded_notebook(), "solutions/99_scale.ipynb")
+    assert [c["metadata"] for c in source["cells"]] == [c["metadata"] for c in lab["cells"]]  # cell for cell
+    assert "### BEGIN SOLUTION" in "".join(source["cells"][3]["source"])
+    assert all(c.get("outputs", []) == [] for c in source["cells"])
+
+
+def test_project_labs_are_found_and_sort_after_the_short_ones(tmp_path: Path):
+    for name in ("p1_big.ipynb", "03_small.ipynb", "notes.ipynb", "p_x.ipynb"):
+        write(tmp_path, name, solution_notebook())
+    assert [p.name for p in labgen.solution_paths(tmp_path)] == ["03_small.ipynb", "p1_big.ipynb"]
+
+
+def test_nbgrader_sources_command(tmp_path: Path, capsys):
+    solution = write(tmp_path / "solutions", "99_scale.ipynb", graded_notebook())
+    assert cli(["labs", "--root", str(tmp_path), "--nbgrader", str(tmp_path / "course")]) == 0
+    written = tmp_path / "course" / "source" / "99_scale" / "99_scale.ipynb"
+    assert f"wrote {written}" in capsys.readouterr().out
+    expected = labgen.nbgrader_source(json.loads(solution.read_text(encoding="utf-8")), "solutions/99_scale.ipynb")
+    assert json.loads(written.read_text(encoding="utf-8")) == expected

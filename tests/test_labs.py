@@ -19,7 +19,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
-from shardlib.course import labgen
+from shardlib.course import grade, labgen
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = labgen.solution_paths(REPO_ROOT / "solutions")
@@ -108,6 +108,7 @@ def test_labs_are_generated_from_solutions():
     assert not orphans, f"labs without a solution to generate them from: {orphans}"
 
 
+@pytest.mark.slow  # runs the lab and its solution in a kernel
 @pytest.mark.parametrize("solution_path", SOLUTIONS, ids=[path.stem for path in SOLUTIONS])
 def test_checks_fail_on_lab_and_pass_on_solution(solution_path: Path):
     lab = json.loads(labgen.generate_text(solution_path, REPO_ROOT))
@@ -115,13 +116,18 @@ def test_checks_fail_on_lab_and_pass_on_solution(solution_path: Path):
 
     executed_lab = execute(lab, cwd=REPO_ROOT / "labs")
     assert not checks_that_pass_on_stub(executed_lab), checks_that_pass_on_stub(executed_lab)
+    stub = grade.score(executed_lab)  # what `python -m shardlib grade` reports for the unsolved lab
+    assert stub.max_score > 0 and stub.score == 0, grade.format_report(stub)
 
     solution = json.loads(solution_path.read_text(encoding="utf-8"))
     executed_solution = execute(solution, cwd=solution_path.parent)
     assert not cells_that_fail(executed_solution), cells_that_fail(executed_solution)
     assert len(check_cells(executed_solution)) >= len(check_cells(lab))
+    solved = grade.score(executed_solution)
+    assert solved.passed and solved.max_score == stub.max_score, grade.format_report(solved)
 
 
+@pytest.mark.slow  # starts kernels
 def test_a_check_that_cannot_fail_is_caught(tmp_path: Path):
     """The machinery above on a tiny lab: one real check, one that passes whatever the code."""
     def cell(source, tags=()):

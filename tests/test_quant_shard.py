@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from shardlib import launch
+from shardlib.comm import comm_ledger
 from shardlib.models import build_gpt
 from shardlib.compress.quant import bytes_held, quantize_model
 from shardlib.compress.quant_shard import fsdp_bytes_per_rank, shard_for_inference
@@ -51,3 +52,25 @@ def test_fully_shard_holds_one_nth_of_the_parameters():
         assert abs(local_numel - full_numel / 4) <= 64 * 4  # dim-0 sharding: a few rows of imbalance
         assert held < full / 4 * 1.05
         assert torch.allclose(output, reference, atol=1e-5)
+
+
+def _gathers_in_one_forward(model, idx):
+    shard_for_inference(model)
+    with torch.no_grad(), comm_ledger() as ledger:
+        model(idx)
+    return [(r.kind, r.nbytes) for r in ledger.records]
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_every_gather_of_a_forward_is_in_the_ledger(bits):
+    """One all-gather per tensor of every leaf module, each of N * ceil(numel / N) elements (the
+    padded flat tensor), recorded by the ledger: nothing shardlib sends goes unrecorded."""
+    model = build_gpt(seed=0, n_embd=64, n_layer=2)
+    if bits is not None:
+        model = quantize_model(model, bits, "per_channel", None, embeddings=True)
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    n = 3
+    tensors = [t for t in itertools.chain(model.parameters(), model.buffers()) if t.numel() > 0]
+    expected = sorted(("all_gather", n * -(-t.numel() // n) * t.element_size()) for t in tensors)
+    for records in launch(_gathers_in_one_forward, n, args=(model, idx)):
+        assert sorted(records) == expected, f"{len(records)} records, {len(expected)} tensors expected"

@@ -2,8 +2,9 @@
 `python -m shardlib bench ddp`).
 
 verify: N ranks against one device trained on the concatenated batch, on the MLP and the GPT,
-after 5 AdamW steps: parameters and losses within 1e-5 relative, and the ledger's bytes per rank
-per step against the ring all-reduce's 2(N-1)/N * Psi elements (4 bytes each in fp32).
+after 5 AdamW steps with the harness's policy (shardlib/checks/harness.py: float64, parameters and
+losses within 1e-5 relative), and the ledger's bytes per rank per step against the ring all-reduce's
+2(N-1)/N * Psi elements (8 bytes each in float64).
 bench: shardlib's DistributedDataParallel beside torch.nn.parallel.DistributedDataParallel, same
 model, same ranks, steps interleaved, median step times.
 """
@@ -12,47 +13,16 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
-from shardlib.checks.harness import interleaved_step_times
-from shardlib.comm import comm_ledger
-from shardlib.launch import launch
-from shardlib.models import GPTConfig, build_gpt, build_mlp, mlp_batch, random_token_batches
+from shardlib.checks.harness import (ELEMENT_SIZE, STEPS, adamw, batch_split_error, build_check_model, check_batches,
+                                     check_model_params, compare_run, cpu_state, interleaved_step_times, launch_on,
+                                     mean_losses, reference_run, train_steps, verdict)
+from shardlib.launch import current_device, launch
+from shardlib.models import GPTConfig, build_gpt
 from shardlib.parallel.ddp import DistributedDataParallel, all_reduce_gradients
-from shardlib.reference import compare_state, freeze_inert_key_biases, model_loss, rank_slice, train_reference
+from shardlib.reference import model_loss, rank_slice
 
-_GPT = GPTConfig(seq_len=16, n_layer=2, n_head=4, n_embd=32)
-_MLP = dict(d_in=32, hidden=64, n_blocks=2, n_out=8)
-
-
-def _build(kind: str, seed: int) -> nn.Module:
-    """The check's models. The GPT's key biases are frozen: softmax ignores a shift common to all
-    keys, so their exact gradient is zero and the fp32 one is rounding noise, which Adam scales
-    up to full-size steps (comparing them would compare noise). They also test the frozen path."""
-    if kind == "mlp":
-        return build_mlp(seed, **_MLP)
-    return freeze_inert_key_biases(build_gpt(_GPT, seed=seed))
-
-
-def _psi(kind: str) -> int:
-    """Trainable Psi from the models' formulas, independent of the code under test."""
-    if kind == "gpt":
-        return _GPT.n_params - _GPT.n_layer * _GPT.n_embd  # less the frozen key biases
-    d, h, blocks, out = _MLP["d_in"], _MLP["hidden"], _MLP["n_blocks"], _MLP["n_out"]
-    return blocks * (2 * d * h + h + d) + d * out + out
-
-
-def _global_batches(kind: str, steps: int, batch_size: int = 12) -> list:
-    if kind == "mlp":
-        return [mlp_batch(batch_size, seed=step) for step in range(steps)]
-    return random_token_batches(_GPT, batch_size, steps)
-
-
-def _adamw(params) -> torch.optim.Optimizer:
-    # Adam divides each gradient by its own running size, so fp32 rounding in near-zero gradients
-    # (ranks sum in another order than one device) becomes parameter differences in proportion to
-    # lr: about 3e-6 relative here at lr 3e-4 (8e-6 at 1e-3, too close to the 1e-5 bound)
-    return torch.optim.AdamW(params, lr=3e-4)
+world_size_error = batch_split_error  # for the registry: which world sizes the checks run on
 
 
 def _train_on_rank(technique: str, steps: int, bucket_cap_mb: float) -> dict:
@@ -60,47 +30,48 @@ def _train_on_rank(technique: str, steps: int, bucket_cap_mb: float) -> dict:
     out = {}
     for kind in ("mlp", "gpt"):
         # DDP: replicas start from different seeds; the broadcast when wrapping must make them equal
-        model = _build(kind, seed=0 if technique == "dp" else rank)
+        model = build_check_model(kind, seed=0 if technique == "dp" else rank).to(current_device())
         wrapped = DistributedDataParallel(model, bucket_cap_mb) if technique == "ddp" else model
-        optimizer = _adamw(model.parameters())
-        losses, ledgers = [], []
-        for batch in _global_batches(kind, steps):
-            optimizer.zero_grad(set_to_none=True)
-            with comm_ledger() as ledger:
-                loss = model_loss(wrapped, rank_slice(batch, rank, n))
-                loss.backward()
-                if technique == "dp":
-                    all_reduce_gradients(model)
-            optimizer.step()
-            losses.append(loss.item())
-            ledgers.append((ledger.sent_bytes(), ledger.bytes("all_reduce"), ledger.calls()))
-        out[kind] = (model.state_dict(), losses, ledgers)
+        optimizer = adamw(model.parameters())
+
+        def forward_backward(batch):
+            loss = model_loss(wrapped, rank_slice(batch, rank, n))
+            loss.backward()
+            if technique == "dp":
+                all_reduce_gradients(model)
+            return loss
+
+        losses, ledgers = train_steps(optimizer, check_batches(kind, steps), forward_backward)
+        out[kind] = dict(state=cpu_state(model.state_dict()), losses=losses,
+                         ledger=[(led.sent_bytes(), led.bytes("all_reduce"), led.calls()) for led in ledgers])
     return out
 
 
-def verify_data_parallel(world_size: int, technique: str = "ddp", steps: int = 5, bucket_cap_mb: float = 0.02) -> dict:
+def verify_data_parallel(world_size: int, technique: str = "ddp", steps: int = STEPS, bucket_cap_mb: float = 0.02,
+                         device: str = "cpu") -> dict:
     """N ranks vs one device on the concatenated batch: parameters and losses after `steps` AdamW
-    steps, on the MLP and the GPT; ledger bytes per rank per step vs 2(N-1)/N * Psi * 4."""
+    steps, on the MLP and the GPT; ledger bytes per rank per step vs 2(N-1)/N * Psi * 8 (float64)."""
     if technique not in ("dp", "ddp"):
         raise ValueError(f"technique must be 'dp' or 'ddp', got {technique!r}")
-    per_rank = launch(_train_on_rank, world_size, args=(technique, steps, bucket_cap_mb), timeout=240)
-    n, max_abs, max_rel, ledger_ok, notes = world_size, 0.0, 0.0, True, []
+    if world_size_error(technique, world_size):
+        raise ValueError(world_size_error(technique, world_size))
+    per_rank = launch_on(_train_on_rank, world_size, args=(technique, steps, bucket_cap_mb), device=device, timeout=240)
+    n, comparisons, problems, notes = world_size, [], [], []
     for kind in ("mlp", "gpt"):
-        reference, ref_losses = train_reference(lambda: _build(kind, 0), _global_batches(kind, steps), _adamw)
-        for state, _, _ in (r[kind] for r in per_rank):
-            abs_diff, rel_diff = compare_state(state, reference.state_dict())
-            max_abs, max_rel = max(max_abs, abs_diff), max(max_rel, rel_diff)
-        losses = [sum(r[kind][1][step] for r in per_rank) / n for step in range(steps)]  # mean of equal slices
-        max_rel = max(max_rel, *(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)))
-        psi_bytes = _psi(kind) * 4
+        reference = reference_run(lambda kind=kind: build_check_model(kind), check_batches(kind, steps), device=device)
+        losses = mean_losses([r[kind]["losses"] for r in per_rank])  # mean of equal slices
+        comparisons += [compare_run(r[kind]["state"], losses, reference["state"], reference["losses"])
+                        for r in per_rank]
+        psi_bytes = check_model_params(kind) * ELEMENT_SIZE
         expected = 2 * (n - 1) / n * psi_bytes
-        for sent, reduced, calls in (step for r in per_rank for step in r[kind][2]):
-            # every gradient reduced exactly once; the ledger rounds each call down to a whole byte
-            ledger_ok &= reduced == psi_bytes and expected - calls <= sent <= expected
-        notes.append(f"{kind}: Psi={_psi(kind)}, sent {per_rank[0][kind][2][0][0]} B/step/rank in "
-                     f"{per_rank[0][kind][2][0][2]} calls vs 2(N-1)/N*Psi*4 = {expected:.0f}")
-    return {"passed": max_rel <= 1e-5 and ledger_ok, "max_abs_diff": max_abs, "max_rel_diff": max_rel,
-            "detail": "; ".join(notes) + ("" if ledger_ok else "; LEDGER DIFFERS from the formula")}
+        # every gradient reduced exactly once; the ledger rounds each call down to a whole byte
+        if not all(reduced == psi_bytes and expected - calls <= sent <= expected
+                   for sent, reduced, calls in (step for r in per_rank for step in r[kind]["ledger"])):
+            problems.append(f"{kind}: LEDGER DIFFERS from the formula")
+        sent, _, calls = per_rank[0][kind]["ledger"][0]
+        notes.append(f"{kind}: Psi={check_model_params(kind)}, sent {sent} B/step/rank in {calls} calls vs "
+                     f"2(N-1)/N*Psi*{ELEMENT_SIZE} = {expected:.0f}")
+    return verdict(comparisons, notes, problems)
 
 
 def _time_steps(config: GPTConfig, batch_per_rank: int, bucket_cap_mb: float, repeats: int) -> dict:
@@ -113,7 +84,7 @@ def _time_steps(config: GPTConfig, batch_per_rank: int, bucket_cap_mb: float, re
     runs = {}
     for name, wrap in (("ours", DistributedDataParallel), ("torch", TorchDDP)):
         model = build_gpt(config, seed=0)
-        runs[name] = (wrap(model, bucket_cap_mb=bucket_cap_mb), torch.optim.AdamW(model.parameters(), lr=1e-3))
+        runs[name] = (wrap(model, bucket_cap_mb=bucket_cap_mb), adamw(model.parameters()))
     return interleaved_step_times(runs, batch, model_loss, repeats)
 
 

@@ -14,10 +14,11 @@ import copy
 import torch
 import torch.distributed as dist
 
-from shardlib.checks.harness import interleaved_step_times
+from shardlib.checks.harness import (DTYPE, ELEMENT_SIZE, STEPS, TOLERANCE, adamw, compare_run, cpu_state,
+                                     interleaved_step_times, launch_on, reference_run, train_steps, verdict)
 from shardlib.comm import comm_ledger
-from shardlib.launch import launch
-from shardlib.models import GPT, Block, GPTConfig, build_gpt, random_token_batches
+from shardlib.launch import current_device, launch
+from shardlib.models import Block, GPTConfig, build_gpt, random_token_batches
 from shardlib.parallel.tensor import gather_full_state_dict
 from shardlib.parallel.tensor_gpt import (
     check_tp_config,
@@ -25,24 +26,27 @@ from shardlib.parallel.tensor_gpt import (
     parallelize_gpt,
     sync_sequence_parallel_grads,
 )
-from shardlib.reference import compare_state, freeze_inert_key_biases, model_loss, train_reference
+from shardlib.reference import compare_state, model_loss
 
-_CHECK_GPT = GPTConfig()  # the course's small GPT: V=256, T=64, L=2, 4 heads, h=64
-_CHECK_BATCH, _CHECK_STEPS = 4, 5
-
-
-def _check_batches() -> list:
-    return random_token_batches(_CHECK_GPT, _CHECK_BATCH, _CHECK_STEPS)
+CHECK_GPT = GPTConfig()  # the course's small GPT: V=256, T=64, L=2, 4 heads, h=64
+BATCH = 4
 
 
-def _check_gpt(dtype: torch.dtype) -> GPT:
-    """Key biases frozen: softmax ignores a shift common to all keys, so their exact gradient is
-    zero and the computed one is rounding noise that Adam would scale up to full steps."""
-    return freeze_inert_key_biases(build_gpt(_CHECK_GPT, seed=0).to(dtype))
+def global_batches(steps: int = STEPS) -> list:
+    return random_token_batches(CHECK_GPT, BATCH, steps)
 
 
-def _adamw(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-2)
+def build_check_gpt():
+    return build_gpt(CHECK_GPT, seed=0).to(DTYPE)
+
+
+def world_size_error(technique: str, world_size: int) -> str | None:
+    """Why the check cannot run on `world_size` ranks (None: it can)."""
+    try:
+        check_tp_config(CHECK_GPT, world_size, technique == "tp-sp")
+    except ValueError as error:
+        return f"{technique} splits the check's GPT t = world size ways: {error}"
+    return None
 
 
 def expected_collectives(config: GPTConfig, b: int, s: int, t: int, sequence_parallel: bool = False):
@@ -64,82 +68,54 @@ def expected_collectives(config: GPTConfig, b: int, s: int, t: int, sequence_par
     return forward, backward
 
 
-def _records(ledger, element_size: int) -> list[tuple[str, int]]:
-    return [(r.kind, r.nbytes // element_size) for r in ledger.records]
+def _records(ledger) -> list[tuple[str, int]]:
+    return [(r.kind, r.nbytes // ELEMENT_SIZE) for r in ledger.records]  # (kind, elements)
 
 
-def _train_on_rank(sequence_parallel: bool) -> dict:
-    """fp32 and fp64: losses, full gradients of step 1, full parameters after the last step;
-    the ledger of step 1 (fp32)."""
-    out = {}
-    for dtype in (torch.float32, torch.float64):
-        model = parallelize_gpt(_check_gpt(dtype), sequence_parallel=sequence_parallel)
-        optimizer = _adamw(model.parameters())
-        losses = []
-        for step, batch in enumerate(_check_batches()):
-            optimizer.zero_grad(set_to_none=True)
-            with comm_ledger() as forward:
-                loss = model_loss(model, batch)
-            with comm_ledger() as backward:
-                loss.backward()
-                sync_sequence_parallel_grads(model)
-            if step == 0:
-                first_grads = gather_full_state_dict(model, grads=True)
-                ledger = (_records(forward, 4 if dtype == torch.float32 else 8),
-                          _records(backward, 4 if dtype == torch.float32 else 8))
-            optimizer.step()
-            losses.append(loss.item())
-        out[dtype] = (losses, first_grads, gather_full_state_dict(model), ledger)
-    if dist.get_rank() == 0:  # the single-device run, here rather than in the caller's process
-        out["reference"] = {dtype: _reference(dtype) for dtype in (torch.float32, torch.float64)}
-    return out
+def _train_on_rank(sequence_parallel: bool, steps: int) -> dict:
+    """Losses, full gradients of step 1, full parameters after the last step; the ledger of step 1."""
+    model = parallelize_gpt(build_check_gpt().to(current_device()), sequence_parallel=sequence_parallel)
+    first = {}
+
+    def forward_backward(batch):
+        with comm_ledger() as forward:  # nested in the step's ledger: both record the forward
+            loss = model_loss(model, batch)
+        with comm_ledger() as backward:
+            loss.backward()
+            sync_sequence_parallel_grads(model)
+        if not first:
+            first.update(ledger=(_records(forward), _records(backward)),
+                         grads=cpu_state(gather_full_state_dict(model, grads=True)))
+        return loss
+
+    losses, _ = train_steps(adamw(model.parameters()), global_batches(steps), forward_backward)
+    return dict(first, losses=losses, state=cpu_state(gather_full_state_dict(model)))
 
 
-def _reference(dtype: torch.dtype) -> tuple[dict, list[float], dict]:
-    """Single device: (state after the steps, losses, gradients of step 1)."""
-    model = _check_gpt(dtype)
-    model_loss(model, _check_batches()[0]).backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
-    trained, losses = train_reference(lambda: _check_gpt(dtype), _check_batches(), _adamw)
-    return trained.state_dict(), losses, grads
-
-
-def verify_tp(world_size: int, technique: str = "tp") -> dict:
-    """t ranks vs one device: 5 AdamW steps of the small GPT; losses and step-1 gradients in fp32
-    and fp64, parameters in fp64 (see below); the ledger against expected_collectives.
-
-    Parameters after 5 AdamW steps are compared in fp64. In fp32 any change in the order of a
-    sum - every sharding changes it - perturbs each gradient by ~1e-7 of its terms, and Adam
-    divides each element by its own magnitude: an element whose gradient is ~1e-4 of the
-    typical one then moves by a visibly different step (about 1e-4 of the weights here, even at
-    t=1, where only the loss's sums are reordered). In fp64 the same effect is ~1e-12."""
+def verify_tp(world_size: int, technique: str = "tp", steps: int = STEPS, device: str = "cpu") -> dict:
+    """t ranks vs one device: `steps` AdamW steps of the small GPT, parameters and losses with the
+    harness's policy, and the first step's gradients; the ledger against expected_collectives."""
     if technique not in ("tp", "tp-sp"):
         raise ValueError(f"technique must be 'tp' or 'tp-sp', got {technique!r}")
+    if world_size_error(technique, world_size):  # before any process starts
+        raise ValueError(world_size_error(technique, world_size))
     sequence_parallel = technique == "tp-sp"
-    check_tp_config(_CHECK_GPT, world_size, sequence_parallel)  # before any process starts
-    per_rank = launch(_train_on_rank, world_size, args=(sequence_parallel,), timeout=300)
-    max_abs = max_rel = 0.0
-    notes, same_on_ranks = [], True
-    for dtype in (torch.float32, torch.float64):
-        ref_state, ref_losses, ref_grads = per_rank[0]["reference"][dtype]
-        losses, grads, state, _ = per_rank[0][dtype]
-        loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-        grad_abs, grad_rel = compare_state(grads, ref_grads)
-        param_abs, param_rel = compare_state(state, ref_state)
-        held = [loss_rel, grad_rel] + ([param_rel] if dtype == torch.float64 else [])
-        max_abs = max(max_abs, grad_abs, param_abs if dtype == torch.float64 else 0.0)
-        max_rel = max(max_rel, *held)
-        notes.append(f"{str(dtype)[6:]}: loss rel {loss_rel:.1e} grad rel {grad_rel:.1e} params rel {param_rel:.1e}"
-                     + (" (not held: see verify_tp)" if dtype == torch.float32 else ""))
-        same_on_ranks &= all(r[dtype][0] == losses for r in per_rank)  # every rank saw one loss
-    expected = expected_collectives(_CHECK_GPT, _CHECK_BATCH, _CHECK_GPT.seq_len, world_size, sequence_parallel)
-    ledger_ok = all(r[torch.float32][3][0] == expected[0] and sorted(r[torch.float32][3][1]) == sorted(expected[1])
-                    for r in per_rank)
-    forward = per_rank[0][torch.float32][3][0]
-    notes.append(f"forward: {len(forward)} collectives ({sum(k == 'all_reduce' for k, _ in forward)} all-reduce), "
-                 + ("= formula" if ledger_ok else "LEDGER DIFFERS from the formula"))
-    return {"passed": max_rel <= 1e-5 and ledger_ok and same_on_ranks, "max_abs_diff": max_abs,
-            "max_rel_diff": max_rel, "detail": "; ".join(notes)}
+    per_rank = launch_on(_train_on_rank, world_size, args=(sequence_parallel, steps), device=device, timeout=300)
+    reference = reference_run(build_check_gpt, global_batches(steps), first_grads=True, device=device)
+    result = compare_run(per_rank[0]["state"], per_rank[0]["losses"], reference["state"], reference["losses"])
+    grad_abs, grad_rel = compare_state(per_rank[0]["grads"], reference["grads"])
+    same_on_ranks = all(r["losses"] == per_rank[0]["losses"] and r["state"].keys() == per_rank[0]["state"].keys()
+                        for r in per_rank)  # every rank saw one loss
+    expected = expected_collectives(CHECK_GPT, BATCH, CHECK_GPT.seq_len, world_size, sequence_parallel)
+    ledger_ok = all(r["ledger"][0] == expected[0] and sorted(r["ledger"][1]) == sorted(expected[1]) for r in per_rank)
+    forward = per_rank[0]["ledger"][0]
+    grads = {"max_abs_diff": grad_abs, "max_rel_diff": grad_rel, "passed": grad_rel <= TOLERANCE}
+    notes = [f"loss rel {result['loss_rel_diff']:.1e}, step-1 grads rel {grad_rel:.1e}; forward: {len(forward)} "
+             f"collectives ({sum(k == 'all_reduce' for k, _ in forward)} all-reduce)"
+             + (", = formula" if ledger_ok else "")]
+    problems = ([] if ledger_ok else ["LEDGER DIFFERS from the formula"]) + \
+        ([] if same_on_ranks else ["RANKS DISAGREE on the loss"])
+    return verdict([result, grads], notes, problems)
 
 
 _BENCH_GPT = GPTConfig(seq_len=128, n_head=8, n_embd=256)
@@ -160,7 +136,7 @@ def _time_block_steps(batch_size: int, repeats: int) -> dict:
     x = torch.randn(batch_size, _BENCH_GPT.seq_len, _BENCH_GPT.n_embd, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out_diff = (ours(x) - theirs(x)).abs().max().item()  # (B, T, C) both: the same function
-    runs = {name: (m, torch.optim.AdamW(m.parameters(), lr=1e-3)) for name, m in (("ours", ours), ("torch", theirs))}
+    runs = {name: (m, adamw(m.parameters())) for name, m in (("ours", ours), ("torch", theirs))}
     medians = interleaved_step_times(runs, x, lambda module, x: module(x).square().mean(), repeats)
     return dict(medians, out_diff=out_diff)
 

@@ -1,9 +1,10 @@
 """Communication, lesson 01: collectives from scratch, the ledger of bytes sent, the alpha-beta cost.
 
-    ring.py     ring all-reduce, reduce-scatter, all-gather and broadcast on send/recv
-    ops.py      torch.distributed's calls, recorded: what every technique communicates with
-    ledger.py   comm_ledger(): the calls and bytes of one rank (PyTorch's own calls: record_torch=True)
-    cost.py     the alpha-beta model and the bytes each rank sends
+    ring.py       ring all-reduce, reduce-scatter, all-gather and broadcast on send/recv
+    ops.py        torch.distributed's calls, recorded: what every technique communicates with
+    ledger.py     comm_ledger(): the calls and bytes of one rank (PyTorch's own calls: record_torch=True)
+    cost.py       the alpha-beta model and the bytes each rank sends
+    quantized.py  8-bit all-gather and reduce-scatter, as ZeRO++ does (lesson 13)
 """
 
 from shardlib.comm import ops

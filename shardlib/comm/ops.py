@@ -25,7 +25,7 @@ from shardlib.comm.ledger import (
 )
 
 __all__ = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
-           "all_to_all_single", "send", "recv", "isend", "irecv", "barrier"]
+           "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier"]
 
 
 def _call(entry_fn, fn, *args, **kwargs):
@@ -102,6 +102,19 @@ def isend(tensor: torch.Tensor, dst: int, *, group=None):
 
 def irecv(tensor: torch.Tensor, src: int, *, group=None):
     return _call(lambda: CommRecord("recv", nbytes_of(tensor), 0, (src,)), dist.irecv, tensor, src, group=group)
+
+
+def batch_isend_irecv(p2p_op_list: list) -> list:
+    """Start every dist.P2POp of the list together and return their requests (NCCL needs a ring's
+    sends and receives started as one group); each op is recorded as a send or a recv."""
+    if recording():
+        isend = getattr(dist.isend, "_shardlib_original", dist.isend)
+        for op in p2p_op_list:
+            size = nbytes_of(op.tensor)
+            sending = getattr(op.op, "_shardlib_original", op.op) is isend
+            record(CommRecord("send" if sending else "recv", size, size if sending else 0, (op.peer,)))
+    with inside_recorded_call():
+        return dist.batch_isend_irecv(p2p_op_list)
 
 
 def barrier(group=None) -> None:

@@ -10,22 +10,32 @@ Lesson 07 holds every compressed variant of a model against the fp32 original:
 - for the course's byte-level GPT: perplexity exp(mean cross-entropy) on held-out text.
 
 Sharding leaves all three unchanged (the same tensors are gathered back); quantization
-and pruning move them.
+and pruning move them. Every measurement runs where the model is (`device_of`): move the model
+to a rank's `current_device()` and its inputs follow.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tqdm import tqdm  # text bars: they also work inside forked ranks, whose output is forwarded
 
 from shardlib.models import DATA_DIR, GPTConfig, build_gpt, load_course_text, text_batches
 
-SENTENCES = DATA_DIR / "sentences.txt"
+SENTENCES = DATA_DIR / "sentences.txt"  # DATA_DIR: shardlib/data, shipped inside the package
 TOPICS = DATA_DIR / "topics"
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """Where the model's tensors are (its first parameter or buffer); the CPU for a model without any."""
+    tensor = next(iter(model.parameters()), None)
+    tensor = next(iter(model.buffers()), None) if tensor is None else tensor
+    return torch.device("cpu") if tensor is None else tensor.device
 
 
 def load_sentences(path: str | Path = SENTENCES) -> list[str]:
@@ -38,8 +48,10 @@ def load_encoder(model_id: str | None = None, offline: bool = True):
 
     The pooler head is dropped: sentence embeddings use the hidden states only.
     """
-    from transformers import AutoModel, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    with warnings.catch_warnings():  # transformers imports tqdm.auto, which warns in a notebook without ipywidgets
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
     from shardlib.finetune.model import DEFAULT_MODEL_ID, resolve_model_path
 
@@ -58,14 +70,14 @@ def embed(model: nn.Module, tokenizer, sentences: list[str], batch_size: int = 6
           dtype: torch.dtype | None = None) -> torch.Tensor:
     """(S, C) L2-normalised mean-pooled sentence embeddings, in fp32."""
     chunks = []
-    for start in range(0, len(sentences), batch_size):
+    for start in range(0, len(sentences), batch_size):  # (B, T) token ids per batch
         batch = tokenizer(sentences[start:start + batch_size], padding=True, truncation=True,
-                          max_length=max_length, return_tensors="pt")
+                          max_length=max_length, return_tensors="pt").to(device_of(model))
         hidden = model(**batch).last_hidden_state.float()  # (B, T, C)
         mask = batch["attention_mask"].unsqueeze(-1).float()  # (B, T, 1)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9)  # (B, C)
         chunks.append(F.normalize(pooled, dim=-1))
-    return torch.cat(chunks)
+    return torch.cat(chunks).cpu()  # (S, C)
 
 
 def cosine_to_reference(reference: torch.Tensor, embeddings: torch.Tensor) -> dict:
@@ -103,14 +115,16 @@ def split_course_text(validation_fraction: float = 0.1) -> tuple[torch.Tensor, t
 
 
 def train_gpt(config: GPTConfig, steps: int = 300, batch_size: int = 16, lr: float = 3e-3, seed: int = 0,
-              tokens: torch.Tensor | None = None) -> nn.Module:
-    """A GPT trained for `steps` AdamW steps on the course text (the first 90% by default)."""
+              tokens: torch.Tensor | None = None, device: torch.device | str = "cpu", progress: bool = False) -> nn.Module:
+    """A GPT trained for `steps` AdamW steps on the course text (the first 90% by default), on `device`;
+    `progress`: a progress bar (one line, redrawn at most every 10 s)."""
     tokens = split_course_text()[0] if tokens is None else tokens
-    model = build_gpt(config, seed=seed)
+    model = build_gpt(config, seed=seed).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
-    for x, y in text_batches(batch_size, config.seq_len, steps, seed=seed, tokens=tokens):
-        _, loss = model(x, y)
+    batches = text_batches(batch_size, config.seq_len, steps, seed=seed, tokens=tokens)
+    for x, y in tqdm(batches, desc=f"training the GPT (seed {seed})", disable=not progress, mininterval=10):
+        _, loss = model(x.to(device), y.to(device))  # (B, T) each
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -120,6 +134,7 @@ def train_gpt(config: GPTConfig, steps: int = 300, batch_size: int = 16, lr: flo
 
 @torch.no_grad()
 def perplexity(model: nn.Module, batches) -> float:
-    """exp(mean cross-entropy) over (inputs, targets) batches."""
-    losses = [model(x, y)[1].item() for x, y in batches]
+    """exp(mean cross-entropy) over (inputs, targets) batches, computed where the model is."""
+    device = device_of(model)
+    losses = [model(x.to(device), y.to(device))[1].item() for x, y in batches]
     return math.exp(sum(losses) / len(losses))

@@ -49,12 +49,15 @@ the rows it looks up.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from shardlib.timing import interleaved_times
 
 SUPPORTED_BITS = (8, 4)
 SCHEMES = ("per_tensor", "per_channel", "group")
@@ -283,16 +286,8 @@ def bytes_held(module: nn.Module) -> int:
 
 
 def best_seconds(models: dict, batch: dict, repeats: int) -> dict:
-    """Best wall time of one forward of each model, the models taking turns (fair under a changing load)."""
-    import time
-
-    best = dict.fromkeys(models, float("inf"))
+    """Best wall time of one forward of each model on `batch` (keyword arguments), the models taking
+    turns (shardlib.timing.interleaved_times: fair under a changing load)."""
     with torch.no_grad():
-        for model in models.values():
-            model(**batch)  # warm-up
-        for _ in range(repeats):
-            for name, model in models.items():
-                start = time.perf_counter()
-                model(**batch)
-                best[name] = min(best[name], time.perf_counter() - start)
-    return best
+        return interleaved_times({name: functools.partial(model, **batch) for name, model in models.items()},
+                                 repeats, statistic=min)

@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from shardlib.comm import ops
 from shardlib.compress.quant import bytes_held
+from shardlib.launch import current_device
 
 
 def _own_tensors(module: nn.Module) -> list[str]:
@@ -58,7 +59,7 @@ def _free(module: nn.Module, args, output) -> None:
         _set(module, name, torch.empty(0, dtype=module._buffers[name + "_shard"].dtype))
 
 
-def shard_for_inference(model: nn.Module, group=None) -> nn.Module:
+def shard_for_inference(model: nn.Module, *, group=None) -> nn.Module:
     """Keep 1/N of every leaf module's tensors on this rank, gathered per module when it runs. In place."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     for module in model.modules():
@@ -78,7 +79,7 @@ def shard_for_inference(model: nn.Module, group=None) -> nn.Module:
     return model
 
 
-def fsdp_bytes_per_rank(model: nn.Module, example_input, units=None, group=None) -> dict:
+def fsdp_bytes_per_rank(model: nn.Module, example_input, units=None, *, group=None) -> dict:
     """Shard `model` with PyTorch's fully_shard (each of `units`, then the root); measure one rank.
 
     Returns the bytes this rank holds after a forward, the numel of its local shards against the full
@@ -88,7 +89,7 @@ def fsdp_bytes_per_rank(model: nn.Module, example_input, units=None, group=None)
     from torch.distributed.fsdp import fully_shard
 
     full_numel = sum(p.numel() for p in model.parameters())
-    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device_type="cpu")
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device_type=current_device().type)
     for unit in units or ():
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)  # the root too: no backward follows

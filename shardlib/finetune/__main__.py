@@ -2,6 +2,6 @@
 
 import sys
 
-from shardlib.finetune.train import main
+from shardlib.finetune.cli import main
 
 sys.exit(main())

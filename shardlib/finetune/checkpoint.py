@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -143,6 +144,9 @@ def export_pretrained(model, config, tokenizer, export_dir) -> Path | None:
     if _rank() == 0:
         from transformers import AutoModelForSequenceClassification
 
+        # save_pretrained imports DeepSpeed where it is installed (accelerate's unwrap), which logs
+        # "Setting accelerator to CPU" on a machine without GPUs: true, and nothing to act on here
+        logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to" not in record.getMessage())
         plain = AutoModelForSequenceClassification.from_config(config)
         plain.load_state_dict(full_sd, strict=True)
         tmp = export_dir.with_name(export_dir.name + ".tmp")

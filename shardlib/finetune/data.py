@@ -11,7 +11,7 @@ global batch
     order  = randperm(n_examples, seed + epoch)          # one permutation per epoch
     batch  = order[(s mod steps_per_epoch) * B : ... + B]  # B = global batch size
 
-and rank r of N reads the r-th contiguous slice of B/N examples of it. Nothing about the
+and rank r of N reads the r-th contiguous share of B/N examples of it (`rank_share`). Nothing about the
 order lives in a data-loader's state, so a run stopped after step k resumes at step k+1
 with exactly the batches the uninterrupted run would have read, on any number of ranks.
 """
@@ -26,6 +26,13 @@ from pathlib import Path
 import torch
 
 SPLITS = ("train", "validation", "test")
+
+
+def default_data_dir() -> Path:
+    """The course's topic data set, shipped inside the package (shardlib/data/topics)."""
+    from shardlib.resources import data_path
+
+    return data_path("topics")
 
 
 class DatasetError(ValueError):
@@ -138,8 +145,8 @@ def global_batch_indices(n_examples: int, global_batch: int, step: int, seed: in
     return order[position * global_batch:(position + 1) * global_batch].tolist()
 
 
-def rank_slice(indices: list[int], rank: int, world_size: int) -> list[int]:
-    """This rank's contiguous share of a global batch (its length divides evenly)."""
+def rank_share(indices: list[int], rank: int, world_size: int) -> list[int]:
+    """This rank's contiguous share of a global batch's example indices (its length divides evenly)."""
     per_rank = len(indices) // world_size
     return indices[rank * per_rank:(rank + 1) * per_rank]
 

@@ -1,19 +1,22 @@
 """Measure what each strategy costs a rank: model-state bytes (against the ZeRO formulas) and step time.
 
 Per-rank model states, ZeRO (arXiv 1910.02054) with K bytes of optimizer state per
-parameter; this machine trains in fp32 (recipe "fp32_adam": 4 + 4 + 8 bytes per parameter):
+parameter. FSDP2 keeps fp32 shards, fp32 gradients and fp32 Adam moments on every device
+(on GPUs it computes in bf16/fp16 from gathered 16-bit copies), so the states follow the
+"fp32_adam" recipe, 4 + 4 + 8 bytes per parameter:
 
     DDP (stage 0)            (4 + 4 + 8) Psi
     SHARD_GRAD_OP (stage 2)  4 Psi + (4 + 8) Psi / N
     FULL_SHARD (stage 3)     (4 + 4 + 8) Psi / N
 
 The measurement counts real tensors on each rank (shardlib.memory.model_state_bytes: local
-shards of DTensors) at three moments of one step: after the forward (parameters the
+shards of DTensors) at three moments of the last step: after the forward (parameters the
 module holds: gathered ones included), after the backward (gradients), after the optimizer
 step (Adam's moments). Each category at its largest is held against the formula. FSDP2's
 SHARD_GRAD_OP holds all parameters gathered between forward and backward, which is
-ZeRO-2's 4 Psi; after the backward it reshards them, so at rest (after the step) it holds
-no more than FULL_SHARD: `rest_bytes` shows that.
+ZeRO-2's 4 Psi (2 Psi on GPUs, where the gathered copies are 16-bit); after the backward it
+reshards them, so at rest (after the step) it holds no more than FULL_SHARD: `rest_bytes`
+shows that. On GPUs `max_memory_allocated` adds the real peak: states, activations, buffers.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import tempfile
 from shardlib.launch import launch
 from shardlib.memory import zero_model_state_bytes
 
-STRATEGIES = ("DDP", "SHARD_GRAD_OP", "FULL_SHARD")
+MEASURED_STRATEGIES = ("DDP", "SHARD_GRAD_OP", "FULL_SHARD")
 MOMENTS = ("after_forward", "after_backward", "after_step")
 
 
@@ -35,15 +38,18 @@ def _peak_states(memory: dict) -> dict:
 
 
 def measure_strategy(strategy: str, world_size: int, steps: int = 4, max_length: int = 16, batch_size: int = 8,
-                     seed: int = 0, **overrides) -> dict:
-    """Train `steps` steps on `world_size` ranks; return per-rank bytes, prediction, step time, losses."""
-    from shardlib.finetune.train import ZERO_STAGE, FinetuneConfig, train
+                     seed: int = 0, device: str = "cpu", **overrides) -> dict:
+    """Train `steps` steps on `world_size` ranks of `device` ("cpu", "cuda" or "auto"); return per-rank
+    bytes, the prediction, step time, losses (and on GPUs the peak of torch.cuda.max_memory_allocated)."""
+    from shardlib.finetune.config import ZERO_STAGE, FinetuneConfig
+    from shardlib.finetune.train import train
 
     with tempfile.TemporaryDirectory() as out:
         config = FinetuneConfig(strategy=strategy, output_dir=out, max_steps=steps, max_length=max_length,
-                                batch_size=batch_size, seed=seed, evaluate=False, progress=False,
-                                measure_memory=True, **{"device": "cpu", **overrides})  # fp32 on CPU ranks
-        results = launch(train, world_size, args=(config,), timeout=900)
+                                batch_size=batch_size, seed=seed, evaluate=False, progress="none",
+                                measure_memory=steps, device=device, **overrides)  # the last step: fp16's
+        # gradient scaler may skip the first steps (and Adam's state with them)
+        results = launch(train, world_size, args=(config,), device=device, timeout=900)
     n_params = results[0]["n_params"]
     measured = [_peak_states(r["memory"]) for r in results]
     largest = max(measured, key=lambda m: m["total"])
@@ -55,10 +61,12 @@ def measure_strategy(strategy: str, world_size: int, steps: int = 4, max_length:
         "rest_bytes": max(r["memory"]["after_step"]["total"] for r in results),
         "step_time_s": max(r["step_time_s"] for r in results),
         "losses": [h["loss"] for h in results[0]["history"]],
+        "device": results[0]["device"].split(":")[0], "mixed_precision": results[0]["mixed_precision"],  # cpu | cuda
+        "max_memory_allocated": max((r.get("max_memory_allocated") or 0 for r in results), default=0) or None,
     }
 
 
-def measure_strategies(world_sizes=(2, 4), strategies=STRATEGIES, steps: int = 4, **kwargs) -> list[dict]:
+def measure_strategies(world_sizes=(2, 4), strategies=MEASURED_STRATEGIES, steps: int = 4, **kwargs) -> list[dict]:
     """measure_strategy for each (world size, strategy), with each step time over DDP's."""
     rows = []
     for world_size in world_sizes:

@@ -17,14 +17,16 @@ expresses these with one knob and a mesh: `reshard_after_forward=True` is FULL_S
 `False` is SHARD_GRAD_OP (a layer's parameters stay gathered from its forward until its
 backward; between steps they are sharded again), and a 2-D DeviceMesh (replicate, shard)
 is HYBRID_SHARD. Accelerate's FSDP2 path (accelerate 1.15, utils/fsdp_utils.py
-`fsdp2_prepare_model`) wraps each transformer block class, then the input embeddings,
-then the root; `shard_model` below does the same, so that on CPU, where Accelerate
+`fsdp2_prepare_model`) wraps each transformer block class, then the input embeddings
+(and a final norm / output embedding, which a BERT classifier does not have), then the root;
+`shard_model` below does the same, so that on CPU, where Accelerate
 applies no FSDP plugin, the model is sharded exactly as it would be on GPUs.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -32,7 +34,7 @@ import torch.nn as nn
 
 DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
-STRATEGIES = {
+STRATEGY_SUMMARIES = {  # name -> what it shards
     "DDP": "replicate everything; all-reduce gradients (16 Psi per rank)",
     "SHARD_GRAD_OP": "ZeRO-2: shard gradients and optimizer state; parameters gathered for the whole step",
     "FULL_SHARD": "ZeRO-3: shard parameters, gradients and optimizer state (16 Psi / N per rank)",
@@ -46,8 +48,8 @@ class ModelLoadError(OSError):
 
 def check_strategy(name: str) -> str:
     """The strategy name in canonical form; a clear error for an unknown one."""
-    if not isinstance(name, str) or name.upper() not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
+    if not isinstance(name, str) or name.upper() not in STRATEGY_SUMMARIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGY_SUMMARIES)}")
     return name.upper()
 
 
@@ -96,8 +98,10 @@ def load_classifier(model_id: str, label_names: list[str], seed: int, offline: b
     The head is initialised from `seed`, so every rank builds identical weights (FSDP2
     shards each rank's own copy; it does not broadcast). `dropout` overrides every
     nn.Dropout's probability (0 makes a step deterministic across world sizes)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    with warnings.catch_warnings():  # tqdm.auto in a notebook without ipywidgets: "IProgress not found"
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -168,12 +172,21 @@ def shard_model(model: nn.Module, strategy: str, mesh, block_names: list[str], m
         units.append(next(n for n, m in model.named_modules() if m is embeddings))
     fully_shard(model, mesh=mesh, mp_policy=kwargs["mp_policy"])  # root: PyTorch's default (no reshard)
     units.append("")
+    assert units == fsdp_units(model), (units, fsdp_units(model))
     return units
+
+
+def fsdp_units(model: nn.Module) -> list[str]:
+    """Qualified names of the modules fully_shard was applied to, children first ('' is the root):
+    the units of a model sharded here or by Accelerate's FSDP2 plugin."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [name for name, module in reversed(list(model.named_modules())) if isinstance(module, FSDPModule)]
 
 
 def check_sharded(model: nn.Module, shard_size: int) -> dict:
     """Assert every parameter is a DTensor of which this rank holds its 1/shard_size chunk
-    (torch.chunk on dim 0); return local and full element counts."""
+    (torch.chunk on dim 0, over the mesh's last dimension); return local and full element counts."""
     from torch.distributed.tensor import DTensor
 
     local = full = 0

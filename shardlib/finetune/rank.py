@@ -5,12 +5,13 @@ mixed-precision Adam; ZeRO, arXiv 1910.02054): DDP 16 Psi, SHARD_GRAD_OP 2 Psi +
 FULL_SHARD 16 Psi/N, HYBRID_SHARD 16 Psi/S (see shardlib.finetune.model). Two paths lead there:
 
     GPU (cuda)   Accelerate prepares the model: DDP, or its FSDP2 plugin (fully_shard per block,
-                 bf16 compute with fp32 shards, SHARDED_STATE_DICT).
+                 bf16 or fp16 compute with fp32 shards, SHARDED_STATE_DICT); one GPU included
+                 (a mesh of one rank: the same code path, nothing to split).
     CPU          Accelerate's multi-CPU mode has no FSDP: it would wrap the model in DDP. For the
                  sharded strategies we call fully_shard ourselves, with the same per-block wrapping
-                 (shardlib.finetune.model.shard_model), then check each rank holds 1/S of every
-                 parameter.
+                 (shardlib.finetune.model.shard_model).
 
+On both, the units are listed and each rank checks that it holds 1/S of every parameter.
 Per step each rank sends 2 Psi (DDP's all-reduce; SHARD_GRAD_OP's all-gather and
 reduce-scatter) or 3 Psi (FULL_SHARD: a second all-gather in backward).
 """
@@ -27,11 +28,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardlib.comm import ops
+from shardlib.finetune.config import resolve_mixed_precision
 from shardlib.finetune.data import eval_indices, tokenize
 from shardlib.finetune.model import (
     block_class_names,
     check_sharded,
     fsdp_plugin,
+    fsdp_units,
     make_mesh,
     shard_model,
     strategy_from_launch_env,
@@ -76,10 +79,19 @@ def replicate_size(asked: int | None, world_size: int) -> int:
     return from_env or world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
+def rank_mixed_precision(asked: str, device_type: str) -> str:
+    """The mixed precision of this rank's device ("no", "bf16" or "fp16"); CUDA may start here."""
+    if device_type != "cuda":
+        return resolve_mixed_precision(asked, device_type)
+    gpu = torch.cuda.current_device() if torch.cuda.is_initialized() else int(os.environ.get("LOCAL_RANK", 0))
+    return resolve_mixed_precision(asked, device_type, torch.cuda.get_device_capability(gpu),
+                                   torch.cuda.get_device_name(gpu))
+
+
 def make_accelerator(config, strategy: str, device_type: str, world_size: int):
     from accelerate import Accelerator
 
-    mixed = config.mixed_precision if config.mixed_precision != "auto" else ("bf16" if device_type == "cuda" else "no")
+    mixed = rank_mixed_precision(config.mixed_precision, device_type)
     kwargs = {"cpu": device_type == "cpu", "mixed_precision": mixed}
     if device_type == "cuda" and strategy != "DDP":
         layers = config.layer_cls_to_wrap.split(",") if config.layer_cls_to_wrap else None
@@ -107,17 +119,19 @@ def enable_activation_checkpointing(model) -> None:
 
 def prepare_model(config, strategy: str, accelerator, model, device_type: str, world_size: int):
     """Replicate or shard the model and build AdamW over what this rank holds.
-    Returns (model, optimizer, units, shard_check); units and shard_check on the CPU path only."""
+    Returns (model, optimizer, units, shard_check); DDP has no units and no shard check."""
     def adamw(params):
         return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
 
     checkpointing = config.activation_checkpointing
     if checkpointing if checkpointing is not None else device_type == "cuda":
         enable_activation_checkpointing(model)
+    replicas = replicate_size(config.replicate_size, world_size) if strategy == "HYBRID_SHARD" else 1
     if strategy == "DDP" or device_type == "cuda":  # Accelerate: DDP, or its FSDP2 plugin on GPUs
         model, optimizer = accelerator.prepare(model, adamw(model.parameters()))
-        return model, optimizer, [], None
-    replicas = replicate_size(config.replicate_size, world_size) if strategy == "HYBRID_SHARD" else 1
+        if strategy == "DDP":
+            return model, optimizer, [], None
+        return model, optimizer, fsdp_units(model), check_sharded(model, world_size // replicas)
     mesh = make_mesh(strategy, world_size, replicas, device_type)
     units = shard_model(model, strategy, mesh, block_class_names(model, config.layer_cls_to_wrap))
     shard_check = check_sharded(model, world_size // replicas)

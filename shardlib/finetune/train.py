@@ -2,10 +2,9 @@
 
 One function, `train(config)`, runs on every rank however the ranks were started:
 
-    notebook / script   accelerate.notebook_launcher(train, (config,), num_processes=N)
-                        or shardlib.launch(train, N, args=(config,))  (returns each rank's result)
-    GPUs, one node      accelerate launch --config_file shardlib/configs/accelerate/fsdp2_1node_4gpu.yaml \
-                            -m shardlib.finetune --epochs 3
+    notebook / script   run_in_notebook(config, N)   (shardlib.finetune.notebook: notebook_launcher,
+                        or shardlib.launch(train, N, args=(config,)), which returns each rank's result)
+    GPUs, one node      accelerate launch --config_file <fsdp2_1node_4gpu.yaml> -m shardlib.finetune --epochs 3
     anywhere            torchrun --nproc-per-node N -m shardlib.finetune --strategy FULL_SHARD
 
 Per-rank model states (Psi parameters, N ranks, S ranks per shard group; mixed-precision
@@ -13,27 +12,22 @@ Adam, ZeRO arXiv 1910.02054): DDP 16 Psi, SHARD_GRAD_OP 2 Psi + 14 Psi/N, FULL_S
 16 Psi/N, HYBRID_SHARD 16 Psi/S. Bytes sent per rank and step: 2 Psi (DDP,
 SHARD_GRAD_OP), 3 Psi (FULL_SHARD). See shardlib.finetune.model for how each maps to FSDP2.
 
-On GPUs the FSDP strategies go through Accelerate's FSDP2 plugin (bf16 mixed precision,
-activation checkpointing). On CPU Accelerate applies no FSDP plugin (its multi-CPU mode
-wraps the model in DDP), so there `train` applies PyTorch's fully_shard itself with the
-same per-block wrapping, and checks that each rank holds 1/N of every parameter.
-
-The data order is a function of (seed, step) and dropout masks of (seed, step, rank), so
-a run stopped after k steps and resumed from its checkpoint computes the same losses as
-the uninterrupted run.
+A run is four parts, each a function below: `start_rank` (Accelerator, model, shards, data),
+`resume` (from a checkpoint, if asked), `run_steps` (the loop: steps, evaluation, checkpoints)
+and `summarise`. The data order is a function of (seed, step) and dropout masks of (seed, step,
+rank), so a run stopped after k steps and resumed from its checkpoint computes the same losses
+as the uninterrupted run. Faults are injected from outside through `fault=`
+(shardlib.finetune.faults); nothing in a run's configuration asks for one.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import os
-import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,8 +44,9 @@ from shardlib.finetune.checkpoint import (
     save_checkpoint,
     step_dir,
 )
-from shardlib.finetune.data import global_batch_indices, load_dataset, rank_slice, steps_per_epoch, tokenize
-from shardlib.finetune.model import DEFAULT_MODEL_ID, STRATEGIES, check_strategy, load_classifier, resolve_model_path
+from shardlib.finetune.config import FinetuneConfig
+from shardlib.finetune.data import global_batch_indices, load_dataset, rank_share, steps_per_epoch, tokenize
+from shardlib.finetune.model import load_classifier, resolve_model_path
 from shardlib.finetune.rank import (
     all_reduce_sum,
     append_jsonl,
@@ -65,300 +60,239 @@ from shardlib.finetune.rank import (
     sync_gradients,
     typical,
 )
-
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "data" / "topics"
-ZERO_STAGE = {"DDP": 0, "SHARD_GRAD_OP": 2, "FULL_SHARD": 3, "HYBRID_SHARD": 3}
+from shardlib.launch import current_device
 
 
-@dataclass
-class FinetuneConfig:
-    model_id: str = DEFAULT_MODEL_ID
-    data_dir: str = str(DEFAULT_DATA)
-    output_dir: str = "runs/finetune"
-    strategy: str | None = "FULL_SHARD"  # None: the one an accelerate config chose (else FULL_SHARD)
-    max_length: int = 32
-    batch_size: int = 16  # global: examples per optimizer step, over all ranks and micro-batches
-    grad_accum: int = 1  # micro-batches per optimizer step on each rank
-    epochs: int = 1
-    max_steps: int | None = None  # caps the schedule (default: epochs * steps per epoch)
-    lr: float = 1e-4
-    warmup_ratio: float = 0.1
-    weight_decay: float = 0.01
-    max_grad_norm: float | None = 1.0
-    seed: int = 0
-    dropout: float | None = None  # override the model's dropout (0: identical steps on any N)
-    eval_batch_size: int = 64
-    max_eval_examples: int | None = None  # evaluate on the first k of each split (quick runs)
-    evaluate: bool = True
-    checkpoint_every: int = 0  # steps; 0: no periodic checkpoints
-    stop_after: int | None = None  # save a checkpoint and stop at this step (resume later)
-    resume: bool | str = False  # True: latest checkpoint in output_dir; "auto": that if any; or a path
-    keep_checkpoints: int = 2  # committed checkpoints kept (older ones are deleted)
-    export: bool = False  # write output_dir/model with save_pretrained at the end
-    device: str = "auto"  # auto | cpu | cuda
-    mixed_precision: str = "auto"  # auto (bf16 on GPU, none on CPU) | no | bf16
-    activation_checkpointing: bool | None = None  # None: on GPU only
-    replicate_size: int | None = None  # HYBRID_SHARD replicas (default: number of nodes)
-    layer_cls_to_wrap: str | None = None  # default: the model's _no_split_modules
-    offline: bool = True
-    progress: bool = True
-    measure_memory: bool = False  # model-state bytes at step 2: after forward, backward, step
-    crash_at_step: int | None = None  # fault injection: SIGKILL crash_rank when this step begins
-    crash_rank: int = 1
-    crash_during_save: bool = False  # ... or while it writes the checkpoint of crash_at_step
+@dataclasses.dataclass
+class RankRun:
+    """What one rank holds for the whole run (built by start_rank)."""
 
-    def __post_init__(self):
-        if self.strategy is not None:
-            self.strategy = check_strategy(self.strategy)
-        for name in ("max_length", "batch_size", "grad_accum", "epochs", "eval_batch_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a whole number >= 1, got {getattr(self, name)!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.mixed_precision not in ("auto", "no", "bf16"):
-            raise ValueError(f"mixed_precision must be 'auto', 'no' or 'bf16', got {self.mixed_precision!r}")
+    config: FinetuneConfig
+    strategy: str
+    accelerator: object
+    device: torch.device
+    world_size: int
+    out: Path
+    model: torch.nn.Module
+    optimizer: object  # Accelerate's wrapper on GPUs (it applies fp16's gradient scaling)
+    tokenizer: object
+    hf_config: object
+    splits: dict
+    label_names: list[str]
+    fingerprint: dict
+    units: list[str]
+    shard_check: dict | None
+    per_epoch: int
+    total_steps: int
 
-    def check_world_size(self, world_size: int) -> None:
-        """Errors a launch would hit, raised before it starts."""
-        per_step = world_size * self.grad_accum
-        if self.batch_size % per_step:
-            raise ValueError(f"batch_size {self.batch_size} must divide evenly over {world_size} ranks x "
-                             f"{self.grad_accum} micro-batches; use a multiple of {per_step}")
-        if self.strategy == "HYBRID_SHARD":
-            replicas = self.replicate_size or 1
-            if replicas < 2 or world_size % replicas or world_size == replicas:
-                raise ValueError(f"HYBRID_SHARD needs replicate_size R with 1 < R < N and R dividing N={world_size} "
-                                 f"(got {self.replicate_size}); e.g. replicate_size=2 on 4 ranks, or one per node")
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def plain_optimizer(self) -> torch.optim.Optimizer:
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    @property
+    def data_order(self) -> dict:
+        return {"seed": self.config.seed, "batch_size": self.config.batch_size, "total_steps": self.total_steps,
+                "n_train": len(self.splits["train"])}
 
 
-# ---------------------------------------------------------------------------------
-# the training function
-
-
-def _find_checkpoint(resume, checkpoint_dir: Path) -> Path | None:
-    if resume in (True, "auto"):
-        found = latest_checkpoint(checkpoint_dir)
-        if found is None and resume is True:
-            raise CheckpointError(f"resume=True but {checkpoint_dir} holds no committed checkpoint")
-        return found
-    return Path(resume) if resume else None
-
-
-def _step(step, model, optimizer, tokenizer, train_split, config, rank, world_size, device, measure) -> float:
-    """One optimizer step on this rank's share of global batch `step`; returns the global mean loss."""
-    mine = rank_slice(global_batch_indices(len(train_split), config.batch_size, step, config.seed), rank, world_size)
-    torch.manual_seed(config.seed * 1_000_003 + step * 1_009 + rank)  # dropout masks: f(seed, step, rank)
-    micro = len(mine) // config.grad_accum
-    plain_optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate wraps it on GPUs
-    loss_sum = 0.0
-    for i in range(config.grad_accum):
-        rows = mine[i * micro:(i + 1) * micro]
-        batch = tokenize(tokenizer, [train_split.texts[j] for j in rows], config.max_length, device)  # (b, T)
-        labels = torch.tensor([train_split.labels[j] for j in rows], device=device)  # (b,)
-        with sync_gradients(model, sync=(i == config.grad_accum - 1)):  # reduce on the last micro-batch only
-            loss = F.cross_entropy(model(**batch).logits.float(), labels)
-            if measure is not None and i == 0:
-                measure["after_forward"] = memory_snapshot(model, plain_optimizer)
-            (loss / config.grad_accum).backward()
-        loss_sum += loss.item()
-    if measure is not None:
-        measure["after_backward"] = memory_snapshot(model, plain_optimizer)
-    if config.max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-    optimizer.step()
-    if measure is not None:
-        measure["after_step"] = memory_snapshot(model, plain_optimizer)
-    optimizer.zero_grad(set_to_none=True)
-    return all_reduce_sum([loss_sum / config.grad_accum], device)[0] / world_size
-
-
-def train(config: FinetuneConfig) -> dict:
-    """Run on every rank. Returns a summary (the same on all ranks but for `rank`, `memory`,
-    `shard_check`); rank 0 also writes it to output_dir/summary.json, and each step to log.jsonl."""
-    from tqdm import tqdm  # plain text: ranks are processes, they cannot draw notebook widgets
-
+def start_rank(config: FinetuneConfig) -> RankRun:
+    """Join the job, load data and model, replicate or shard it. Bad input fails before any collective."""
     strategy = resolve_strategy(config.strategy)
-    device_type = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = _device_type(config.device)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.check_world_size(world_size)
-    splits, label_names = load_dataset(config.data_dir)  # bad data or model id: fail before joining the group
+    splits, label_names = load_dataset(config.data_dir)
     resolve_model_path(config.model_id, config.offline)
     if device_type == "cpu":
         set_cpu_threads()
     accelerator = make_accelerator(config, strategy, device_type, world_size)
-    rank, device = accelerator.process_index, accelerator.device
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-
     model, tokenizer = load_classifier(config.model_id, label_names, config.seed, config.offline, config.dropout)
     hf_config = model.config
     model, optimizer, units, shard_check = prepare_model(config, strategy, accelerator, model, device_type, world_size)
-    plain_optimizer = getattr(optimizer, "optimizer", optimizer)
-    fingerprint = model_fingerprint(model, hf_config, config.model_id, label_names)
-
-    train_split = splits["train"]
-    per_epoch = steps_per_epoch(len(train_split), config.batch_size)
+    per_epoch = steps_per_epoch(len(splits["train"]), config.batch_size)
     if per_epoch < 1:
-        raise ValueError(f"batch_size {config.batch_size} is larger than the training split ({len(train_split)})")
-    total_steps = config.max_steps or config.epochs * per_epoch
-    data_order = {"seed": config.seed, "batch_size": config.batch_size, "total_steps": total_steps,
-                  "n_train": len(train_split)}
+        raise ValueError(f"batch_size {config.batch_size} is larger than the training split ({len(splits['train'])})")
+    return RankRun(config=config, strategy=strategy, accelerator=accelerator, device=accelerator.device,
+                   world_size=world_size, out=out, model=model, optimizer=optimizer, tokenizer=tokenizer,
+                   hf_config=hf_config, splits=splits, label_names=label_names,
+                   fingerprint=model_fingerprint(model, hf_config, config.model_id, label_names), units=units,
+                   shard_check=shard_check, per_epoch=per_epoch,
+                   total_steps=config.max_steps or config.epochs * per_epoch)
 
-    start_step = 0
-    checkpoint = _find_checkpoint(config.resume, out / "checkpoints")
-    if checkpoint is not None:
-        meta = load_checkpoint(checkpoint, model, plain_optimizer, fingerprint)
-        if meta.get("data_order") != data_order:
-            raise CheckpointError(f"{checkpoint} was written with data order {meta.get('data_order')}, this run has "
-                                  f"{data_order}: the resumed run would read other batches. Use the same seed, "
-                                  "batch_size, epochs/max_steps and data.")
-        start_step = meta["step"]
-        accelerator.print(f"resumed from {checkpoint} (step {start_step}, written by {meta['world_size']} rank(s) "
-                          f"with {meta['strategy']}) on {world_size} rank(s) with {strategy}")
 
-    def save(step, crash=False):
-        extra = {"world_size": world_size, "strategy": strategy, "data_order": data_order,
-                 "config": dataclasses.asdict(config)}
-        die = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if crash and rank == config.crash_rank else None
-        path = save_checkpoint(out / "checkpoints", step, model, plain_optimizer, fingerprint, extra, fault=die)
-        if rank == 0:
-            prune_checkpoints(out / "checkpoints", config.keep_checkpoints)
-        return path
+def _device_type(asked: str) -> str:
+    """cpu or cuda: as asked; for "auto", the device of a group already joined (shardlib.launch),
+    else CPU when `accelerate launch --cpu` says so, else CUDA when there is a GPU."""
+    if asked != "auto":
+        return asked
+    if dist.is_initialized():
+        return current_device().type
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return "cpu"
+    from shardlib.devices import visible_gpus  # NVML: asking torch.cuda would spoil later forks
 
-    history, evals, step_times, memory = [], [], [], {}
-    stop_at = min(total_steps, config.stop_after or total_steps)
-    bar = tqdm(total=total_steps, initial=start_step, desc=f"{strategy} N={world_size}", file=sys.stderr,
-               disable=not (config.progress and rank == 0), mininterval=1.0, dynamic_ncols=True)
-    model.train()
+    return "cuda" if visible_gpus() else "cpu"
+
+
+def resume(run: RankRun) -> int:
+    """Load the checkpoint the config asks for, if any (resharding it onto these ranks); return its step."""
+    asked, checkpoints = run.config.resume, run.out / "checkpoints"
+    if asked in (True, "auto"):
+        checkpoint = latest_checkpoint(checkpoints)
+        if checkpoint is None and asked is True:
+            raise CheckpointError(f"resume=True but {checkpoints} holds no committed checkpoint")
+    else:
+        checkpoint = Path(asked) if asked else None
+    if checkpoint is None:
+        return 0
+    meta = load_checkpoint(checkpoint, run.model, run.plain_optimizer, run.fingerprint)
+    if meta.get("data_order") != run.data_order:
+        raise CheckpointError(f"{checkpoint} was written with data order {meta.get('data_order')}, this run has "
+                              f"{run.data_order}: the resumed run would read other batches. Use the same seed, "
+                              "batch_size, epochs/max_steps and data.")
+    run.accelerator.print(f"resumed from {checkpoint} (step {meta['step']}, written by {meta['world_size']} rank(s) "
+                          f"with {meta['strategy']}) on {run.world_size} rank(s) with {run.strategy}")
+    return meta["step"]
+
+
+def save(run: RankRun, step: int, fault=None) -> Path:
+    """Every rank writes its shards of the step-`step` checkpoint; rank 0 commits it and prunes old ones."""
+    extra = {"world_size": run.world_size, "strategy": run.strategy, "data_order": run.data_order,
+             "config": dataclasses.asdict(run.config)}
+    hook = (lambda: fault("save", step, run.rank)) if fault is not None else None
+    path = save_checkpoint(run.out / "checkpoints", step, run.model, run.plain_optimizer, run.fingerprint, extra,
+                           fault=hook)
+    if run.rank == 0:
+        prune_checkpoints(run.out / "checkpoints", run.config.keep_checkpoints)
+    return path
+
+
+def _step(run: RankRun, step: int, measure: dict | None) -> float:
+    """One optimizer step on this rank's share of global batch `step`; returns the global mean loss."""
+    config, accelerator, split = run.config, run.accelerator, run.splits["train"]
+    mine = rank_share(global_batch_indices(len(split), config.batch_size, step, config.seed), run.rank, run.world_size)
+    torch.manual_seed(config.seed * 1_000_003 + step * 1_009 + run.rank)  # dropout masks: f(seed, step, rank)
+    micro = len(mine) // config.grad_accum
+    loss_sum = 0.0
+    for i in range(config.grad_accum):
+        rows = mine[i * micro:(i + 1) * micro]
+        batch = tokenize(run.tokenizer, [split.texts[j] for j in rows], config.max_length, run.device)  # (b, T)
+        labels = torch.tensor([split.labels[j] for j in rows], device=run.device)  # (b,)
+        with sync_gradients(run.model, sync=(i == config.grad_accum - 1)):  # reduce on the last micro-batch only
+            loss = F.cross_entropy(run.model(**batch).logits.float(), labels)
+            if measure is not None and i == 0:
+                measure["after_forward"] = memory_snapshot(run.model, run.plain_optimizer)
+            accelerator.backward(loss / config.grad_accum)  # fp16: scales the loss (gradient scaling)
+        loss_sum += loss.item()
+    if measure is not None:
+        measure["after_backward"] = memory_snapshot(run.model, run.plain_optimizer)
+    if config.max_grad_norm is not None:
+        accelerator.clip_grad_norm_(run.model.parameters(), config.max_grad_norm)  # unscales fp16 gradients first
+    run.optimizer.step()  # fp16: skipped when the scaled gradients overflowed
+    if measure is not None:
+        measure["after_step"] = memory_snapshot(run.model, run.plain_optimizer)
+    run.optimizer.zero_grad(set_to_none=True)
+    return all_reduce_sum([loss_sum / config.grad_accum], run.device)[0] / run.world_size
+
+
+def run_steps(run: RankRun, start_step: int, fault=None) -> dict:
+    """Steps start_step+1 .. the stop step, with evaluation at epoch ends and periodic checkpoints."""
+    from tqdm import tqdm  # plain text: ranks are processes, they cannot draw notebook widgets
+
+    config = run.config
+    stop_at = min(run.total_steps, config.stop_after or run.total_steps)
+    record = {"history": [], "evals": [], "step_times": [], "memory": {}, "stop_at": stop_at}
+    show = run.rank == 0 and config.progress != "none"
+    bar = tqdm(total=run.total_steps, initial=start_step, desc=f"{run.strategy} N={run.world_size}", file=sys.stderr,
+               disable=not (show and config.progress == "bar"), mininterval=1.0, dynamic_ncols=True)
+    started_run, loss = time.perf_counter(), float("nan")
+    run.model.train()
     for step in range(start_step, stop_at):
         done = step + 1
-        if config.crash_at_step == done and not config.crash_during_save and rank == config.crash_rank:
-            os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a rank killed mid-training
+        if fault is not None:
+            fault("step", done, run.rank)
         started = time.perf_counter()
-        lr = learning_rate(step, total_steps, config.lr, config.warmup_ratio)
-        for group in optimizer.param_groups:
+        lr = learning_rate(step, run.total_steps, config.lr, config.warmup_ratio)
+        for group in run.optimizer.param_groups:
             group["lr"] = lr
-        measure = memory if config.measure_memory and step == start_step + 1 else None
-        loss = _step(step, model, optimizer, tokenizer, train_split, config, rank, world_size, device, measure)
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        step_times.append(time.perf_counter() - started)
-        history.append({"step": done, "epoch": step // per_epoch + 1, "loss": loss, "lr": lr,
-                        "world_size": world_size, "strategy": strategy})
-        if rank == 0:
-            append_jsonl(out / "log.jsonl", history[-1])
+        measure_at = start_step + 2 if config.measure_memory is True else config.measure_memory
+        measure = record["memory"] if measure_at and done == measure_at else None
+        loss = _step(run, step, measure)
+        if run.device.type == "cuda":
+            torch.cuda.synchronize(run.device)
+        record["step_times"].append(time.perf_counter() - started)
+        record["history"].append({"step": done, "epoch": step // run.per_epoch + 1, "loss": loss, "lr": lr,
+                                  "world_size": run.world_size, "strategy": run.strategy})
+        if run.rank == 0:
+            append_jsonl(run.out / "log.jsonl", record["history"][-1])
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-        if config.evaluate and (done % per_epoch == 0 or done == total_steps):
-            result = evaluate(model, tokenizer, splits["validation"], config, device, rank, world_size)
-            evals.append({"step": done, "epoch": math.ceil(done / per_epoch), "val_accuracy": result["accuracy"],
-                          "val_loss": result["loss"]})
-            if rank == 0:
-                append_jsonl(out / "log.jsonl", evals[-1])
-            accelerator.print(f"step {done}: validation accuracy {result['accuracy']:.3f}, loss {result['loss']:.4f}")
+        if config.evaluate and (done % run.per_epoch == 0 or done == run.total_steps):
+            result = evaluate(run.model, run.tokenizer, run.splits["validation"], config, run.device, run.rank,
+                              run.world_size)
+            record["evals"].append({"step": done, "epoch": math.ceil(done / run.per_epoch),
+                                    "val_accuracy": result["accuracy"], "val_loss": result["loss"]})
+            if run.rank == 0:
+                append_jsonl(run.out / "log.jsonl", record["evals"][-1])
+            if config.progress != "final":
+                _print_eval(run, record["evals"][-1])
         if config.checkpoint_every and done % config.checkpoint_every == 0 and done < stop_at:
-            save(done, crash=config.crash_during_save and config.crash_at_step == done)
+            save(run, done, fault)
     bar.close()
+    if show and config.progress == "final" and stop_at > start_step:  # one line: the bar as it ended
+        print(tqdm.format_meter(stop_at, run.total_steps, time.perf_counter() - started_run, initial=start_step,
+                                prefix=f"{run.strategy} N={run.world_size}", postfix=f"loss={loss:.4f}"),
+              file=sys.stderr, flush=True)
+        for result in record["evals"]:  # after the bar's one line, not between its frames
+            _print_eval(run, result)
+    return record
 
-    finished = stop_at == total_steps
-    summary = {"strategy": strategy, "world_size": world_size, "rank": rank, "device": str(device),
-               "start_step": start_step, "end_step": stop_at, "total_steps": total_steps, "finished": finished,
-               "history": history, "evals": evals, "labels": label_names, "units": units, "shard_check": shard_check,
-               "memory": memory, "n_params": sum(p.numel() for p in model.parameters()),
-               "step_time_s": typical(step_times),
-               "samples_per_s": config.batch_size / typical(step_times) if step_times else None}
+
+def _print_eval(run: RankRun, result: dict) -> None:
+    run.accelerator.print(f"step {result['step']}: validation accuracy {result['val_accuracy']:.3f}, "
+                          f"loss {result['val_loss']:.4f}")
+
+
+def summarise(run: RankRun, start_step: int, record: dict) -> dict:
+    """The run's summary (the same on all ranks but for rank, memory, shard_check, max_memory_allocated);
+    the final checkpoint, test evaluation and export happen here. Rank 0 writes output_dir/summary.json."""
+    config, stop_at, times = run.config, record["stop_at"], record["step_times"]
+    finished = stop_at == run.total_steps
+    summary = {"strategy": run.strategy, "world_size": run.world_size, "rank": run.rank, "device": str(run.device),
+               "start_step": start_step, "end_step": stop_at, "total_steps": run.total_steps, "finished": finished,
+               "history": record["history"], "evals": record["evals"], "labels": run.label_names,
+               "units": run.units, "shard_check": run.shard_check, "memory": record["memory"],
+               "n_params": sum(p.numel() for p in run.model.parameters()),
+               "mixed_precision": run.accelerator.mixed_precision, "step_time_s": typical(times),
+               "samples_per_s": config.batch_size / typical(times) if times else None}
     if config.checkpoint_every or config.stop_after:
-        summary["checkpoint"] = str(save(stop_at) if stop_at > start_step else step_dir(out / "checkpoints", stop_at))
+        summary["checkpoint"] = str(save(run, stop_at) if stop_at > start_step else step_dir(run.out / "checkpoints",
+                                                                                              stop_at))
     if finished and config.evaluate:
-        summary["test"] = evaluate(model, tokenizer, splits["test"], config, device, rank, world_size)
-        accelerator.print(f"test accuracy {summary['test']['accuracy']:.4f} on {summary['test']['n']} examples")
+        summary["test"] = evaluate(run.model, run.tokenizer, run.splits["test"], config, run.device, run.rank,
+                                   run.world_size)
+        run.accelerator.print(f"test accuracy {summary['test']['accuracy']:.4f} on {summary['test']['n']} examples")
     if finished and config.export:
-        export_pretrained(model, hf_config, tokenizer, out / "model")
-        summary["export_dir"] = str(out / "model")
-        accelerator.print(f"exported the fine-tuned model to {out / 'model'}")
-    if device_type == "cuda":
-        summary["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
-    if rank == 0:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        export_pretrained(run.model, run.hf_config, run.tokenizer, run.out / "model")
+        summary["export_dir"] = str(run.out / "model")
+        run.accelerator.print(f"exported the fine-tuned model to {run.out / 'model'}")
+    if run.device.type == "cuda":
+        summary["max_memory_allocated"] = torch.cuda.max_memory_allocated(run.device)
+    if run.rank == 0:
+        (run.out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
-# ---------------------------------------------------------------------------------
-# entry points
-
-
-def check_before_launch(config: FinetuneConfig, world_size: int) -> None:
-    """Bad input fails here, in the caller, before any process starts."""
-    config.check_world_size(world_size)
-    load_dataset(config.data_dir)
-    resolve_model_path(config.model_id, config.offline)
-
-
-def run_in_notebook(config: FinetuneConfig, num_processes: int) -> dict:
-    """accelerate.notebook_launcher on `num_processes` CPU processes; returns rank 0's summary."""
-    import socket
-
-    from accelerate import notebook_launcher
-
-    check_before_launch(config, num_processes)
-    with socket.socket() as s:  # a free port: other people may share this machine
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    summary_path = Path(config.output_dir) / "summary.json"
-    summary_path.unlink(missing_ok=True)
-    notebook_launcher(train, (config,), num_processes=num_processes, use_port=str(port))
-    return json.loads(summary_path.read_text())
-
-
-def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
-    """Command-line flags: one per FinetuneConfig field (--batch-size 32, --no-evaluate, ...)."""
-    parser = argparse.ArgumentParser(prog="python -m shardlib.finetune", description=__doc__.split("\n")[0])
-    defaults = FinetuneConfig()
-    kinds = {"int": int, "float": float, "str": str}
-    help_ = {"batch_size": "examples per optimizer step, over all ranks and micro-batches",
-             "grad_accum": "micro-batches per optimizer step on each rank",
-             "checkpoint_every": "save a sharded checkpoint every this many steps (0: none)",
-             "stop_after": "save a checkpoint and stop at this step; resume later with --resume",
-             "keep_checkpoints": "committed checkpoints to keep", "device": "auto, cpu or cuda",
-             "mixed_precision": "auto (bf16 on GPU), no or bf16",
-             "activation_checkpointing": "recompute activations in backward (default: on GPU only)",
-             "replicate_size": "HYBRID_SHARD: number of replicas (default: the number of nodes)",
-             "layer_cls_to_wrap": "comma-separated block classes, one FSDP unit each (default: the "
-                                  "accelerate config's, else the model's _no_split_modules)",
-             "dropout": "override the model's dropout probability", "export": "save_pretrained at the end",
-             "crash_at_step": "fault injection: SIGKILL --crash-rank when this step begins"}
-    for field in dataclasses.fields(FinetuneConfig):
-        flag, default = "--" + field.name.replace("_", "-"), getattr(defaults, field.name)
-        base = field.type.split(" | ")[0]
-        if field.name == "resume":
-            parser.add_argument(flag, nargs="?", const=True, default=False,
-                                help="resume from the latest checkpoint in --output-dir, or from the one given")
-        elif field.name == "strategy":
-            parser.add_argument(flag, default=None, help=f"one of {', '.join(STRATEGIES)}; default: the "
-                                "accelerate config's, else FULL_SHARD")
-        elif base == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                help=help_.get(field.name))
-        else:
-            parser.add_argument(flag, type=kinds[base], default=default, help=help_.get(field.name))
-    parser.add_argument("--online", dest="offline", action="store_false", help="allow downloading the model")
-    try:
-        return FinetuneConfig(**vars(parser.parse_args(argv)))
-    except ValueError as error:  # a bad value: argparse's usage line and the message, exit code 2
-        parser.error(str(error))
-
-
-def main(argv: list[str] | None = None) -> int:
-    config = parse_args(argv)
-    summary = train(config)
-    if summary["rank"] == 0 and "test" in summary:
-        print(json.dumps({"test_accuracy": summary["test"]["accuracy"], "step_time_s": summary["step_time_s"],
-                          "samples_per_s": summary["samples_per_s"],
-                          "max_memory_allocated": summary.get("max_memory_allocated")}))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def train(config: FinetuneConfig, fault=None) -> dict:
+    """Run on every rank. Returns the summary (see `summarise`); `fault` is a test hook
+    (shardlib.finetune.faults.KillRank) called when each step begins and while checkpoints are written."""
+    run = start_rank(config)
+    start_step = resume(run)
+    record = run_steps(run, start_step, fault)
+    return summarise(run, start_step, record)

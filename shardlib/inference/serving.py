@@ -21,6 +21,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from shardlib.comm import comm_ledger
 from shardlib.inference.generate import EmulatedDevice, generate, generate_pipelined
 from shardlib.launch import current_device, launch
 from shardlib.models import GPTConfig, build_gpt, load_course_text
@@ -71,18 +72,21 @@ def _serve_on_rank(layout: str, config: GPTConfig, prompts: torch.Tensor, max_ne
     prompts = prompts.to(current_device())
     if layout == "tp":
         tp_model = parallelize_gpt(model)
-        run = lambda: generate(tp_model, prompts, max_new_tokens, dist.group.WORLD, emulated)  # noqa: E731
+        run = lambda ledger=None: generate(tp_model, prompts, max_new_tokens, emulated=emulated, ledger=ledger)  # noqa: E731
     elif layout == "pp":
         stage = gpt_stage(model, rank, n)
-        run = lambda: generate_pipelined(stage, prompts, max_new_tokens, n_microbatches, emulated=emulated)  # noqa: E731
+        run = lambda ledger=None: generate_pipelined(stage, prompts, max_new_tokens, n_microbatches,  # noqa: E731
+                                                     emulated=emulated, ledger=ledger)
     else:  # single device, or one replica among n: its contiguous share of the requests
         share = prompts.chunk(n)[rank]  # (b/d, T0)
-        run = lambda: generate(model, share, max_new_tokens, emulated=emulated)  # noqa: E731
+        run = lambda ledger=None: generate(model, share, max_new_tokens, emulated=emulated, ledger=ledger)  # noqa: E731
     for _ in range(repeats):  # warm-up runs
         dist.barrier()
         run()
     dist.barrier()
-    result = run()
+    with comm_ledger() as ledger:
+        result = run(ledger)
+    result.caches = []  # stays on its rank
     result.ids = None if result.ids is None else result.ids.cpu()
     out = dict(generation=result)
     if layout == "single" and reference:  # the model's own greedy decoding, no cache: the reference ids

@@ -12,15 +12,16 @@ import math
 
 from shardlib.mesh import Mesh
 from shardlib.models import GPTConfig, build_gpt, random_token_batches
-from shardlib.reference import freeze_inert_key_biases
 
 __all__ = ["CHECK_GPT", "BATCH", "STEPS", "build_check_gpt", "global_batches", "unit_parameters", "expected_records",
            "ledger_by_dimension"]
 
 CHECK_GPT = GPTConfig(seq_len=16, n_layer=2, n_head=4, n_embd=32)
 BATCH, STEPS = 8, 5
+
+
 def build_check_gpt(seed: int = 0):
-    return freeze_inert_key_biases(build_gpt(CHECK_GPT, seed=seed))
+    return build_gpt(CHECK_GPT, seed=seed)
 
 
 def global_batches(steps: int = STEPS, batch_size: int = BATCH) -> list:
@@ -32,12 +33,12 @@ def global_batches(steps: int = STEPS, batch_size: int = BATCH) -> list:
 
 
 def unit_parameters(config: GPTConfig, t: int, first: bool, last: bool) -> tuple[int, int]:
-    """(trainable parameters of one block, of the rest of the stage) on one of t tensor-parallel
-    ranks (tp_gpt.py): a block splits 12h^2 + 7h (weights, column biases) and replicates 6h (two
-    LayerNorms, two row biases), less its frozen key bias h/t; the first stage adds the embeddings
+    """(parameters of one block, of the rest of the stage) on one of t tensor-parallel ranks
+    (shardlib/parallel/tensor_gpt.py): a block splits 12h^2 + 6h (weights; biases of q, v and fc)
+    and replicates 6h (two LayerNorms, two row biases); the first stage adds the embeddings
     V h / t + s h, the last ln_f 2h and the head h V / t."""
     h, V, T = config.n_embd, config.vocab_size, config.seq_len
-    block = (12 * h * h + 7 * h) // t + 6 * h - h // t
+    block = (12 * h * h + 6 * h) // t + 6 * h
     rest = (V * h // t + T * h if first else 0) + (2 * h + h * V // t if last else 0)
     return block, rest
 
@@ -55,7 +56,8 @@ def expected_records(mesh: Mesh, zero3: bool, m: int, batch: int = BATCH, config
         out["tp"] = sorted((forward + [("all_reduce", b * s * h)] * (2 * L + last)) * m)
     if p > 1:  # per micro-batch, one (b, s, h) activation forward and its gradient back
         neighbours = mesh.ranks("pp")  # global ranks of the stages, in stage order
-        sends = ([] if last else [(neighbours[stage + 1], b * s * h)]) + ([] if first else [(neighbours[stage - 1], b * s * h)])
+        sends = (([] if last else [(neighbours[stage + 1], b * s * h)])
+                 + ([] if first else [(neighbours[stage - 1], b * s * h)]))
         out["pp"] = sorted(sends * m)
     block, rest = unit_parameters(config, t, first, last)
     units = [block] * L + [rest]
@@ -75,18 +77,18 @@ def expected_records(mesh: Mesh, zero3: bool, m: int, batch: int = BATCH, config
     return out
 
 
-def ledger_by_dimension(ledger, mesh: Mesh) -> dict:
-    """The ledger's records as expected_records lays them out (fp32: 4 bytes per element)."""
+def ledger_by_dimension(ledger, mesh: Mesh, element_size: int = 4) -> dict:
+    """The ledger's records as expected_records lays them out (elements of `element_size` bytes: fp32 4)."""
     groups = {tuple(mesh.ranks(d)): d for d in mesh.dim_names}
     out = {}
     for r in ledger.records:
         if r.kind in ("recv", "barrier"):  # receives send nothing; barriers carry no data
             continue
         if r.kind == "send":
-            out.setdefault("pp", []).append((r.peers[0], r.nbytes // 4))
+            out.setdefault("pp", []).append((r.peers[0], r.nbytes // element_size))
             continue
         dim = groups.get(tuple(r.peers), f"group {r.peers}")
-        out.setdefault(dim, []).append((r.kind, r.nbytes // 4))
+        out.setdefault(dim, []).append((r.kind, r.nbytes // element_size))
     for dim, rows in out.items():
         if dim in ("dp", "replicate") and all(kind == "all_reduce" for kind, _ in rows):
             rows = [("all_reduce", sum(n for _, n in rows))]  # one call per gradient tensor: the total

@@ -1,4 +1,9 @@
-"""Lesson 03's memory picture: bytes each rank holds under ZeRO-1, 2 and 3, measured beside the formulas."""
+"""Lesson 03's memory picture: bytes each rank holds under ZeRO-1, 2 and 3, measured beside the formulas.
+
+Per rank, mixed-precision Adam (ZeRO, arXiv 1910.02054, Figure 1): ZeRO-1 4 Psi + 12 Psi/N, ZeRO-2
+2 Psi + 14 Psi/N, ZeRO-3 16 Psi/N bytes; the measurement sends what each stage sends (2 or 3 (N-1)/N Psi
+elements per step) but only reads the bytes held. Each rank builds on `current_device()`.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardlib import memory
-from shardlib.launch import launch
+from shardlib.launch import current_device, launch
 from shardlib.models import GPTConfig, build_gpt
 from shardlib.parallel.zero_stages import apply_zero, zero_state_bytes
 from shardlib.reference import model_loss
@@ -18,10 +23,10 @@ def _held_by_stage(config: GPTConfig, param_dtype) -> dict:
     """Bytes this rank holds after one step, for stages 1, 2, 3 on the same model."""
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(0, config.vocab_size, (2, config.seq_len + 1), generator=g)
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_len + 1), generator=g).to(current_device())
     held = {}
     for stage in (1, 2, 3):
-        model = build_gpt(config, seed=0)
+        model = build_gpt(config, seed=0).to(current_device())
         optimizer = apply_zero(model, stage, torch.optim.AdamW, lr=1e-3, param_dtype=param_dtype)
         model_loss(model, (tokens[:, :-1], tokens[:, 1:])).backward()
         optimizer.step()
@@ -30,12 +35,13 @@ def _held_by_stage(config: GPTConfig, param_dtype) -> dict:
 
 
 def measure_zero_memory(config: GPTConfig | None = None, world_sizes=(1, 2, 3, 4),
-                        param_dtype: torch.dtype | None = torch.bfloat16) -> dict:
-    """{N: {stage: dict(params, grads, optimizer, total)}}: the largest rank's bytes after a step."""
+                        param_dtype: torch.dtype | None = torch.bfloat16, device: str = "auto") -> dict:
+    """{N: {stage: dict(params, grads, optimizer, total)}}: the largest rank's bytes after a step,
+    on ranks launched on `device` ("auto", "cpu" or "cuda", as shardlib.launch)."""
     config = config or GPTConfig(seq_len=64, n_layer=4, n_head=4, n_embd=128)
     measured = {}
     for n in world_sizes:
-        per_rank = launch(_held_by_stage, n, args=(config, param_dtype), timeout=300)
+        per_rank = launch(_held_by_stage, n, args=(config, param_dtype), timeout=300, device=device)
         measured[n] = {stage: max((r[stage] for r in per_rank), key=lambda h: h["total"]) for stage in (1, 2, 3)}
     return measured
 

@@ -58,14 +58,15 @@ from shardlib.comm import ops, ring_all_reduce
 __all__ = ["all_reduce_gradients", "broadcast_parameters", "assign_buckets", "DistributedDataParallel"]
 
 
-def broadcast_parameters(module: nn.Module, src: int = 0, group=None) -> None:
-    """Overwrite every rank's parameters and buffers with those of global rank `src`, in place."""
+def broadcast_parameters(module: nn.Module, src: int = 0, *, group=None) -> None:
+    """Overwrite every rank's parameters and buffers with those of rank `src` of the group, in place."""
+    source = src if group is None else dist.get_global_rank(group, src)  # torch.distributed wants a global rank
     with torch.no_grad():
         for tensor in itertools.chain(module.parameters(), module.buffers()):
-            ops.broadcast(tensor, src=src, group=group)  # same shape on every rank
+            ops.broadcast(tensor, src=source, group=group)  # same shape on every rank
 
 
-def all_reduce_gradients(module: nn.Module, group=None) -> None:
+def all_reduce_gradients(module: nn.Module, *, group=None) -> None:
     """Naive data parallelism: after backward, average each gradient over the group, one call per tensor."""
     world_size = dist.get_world_size(group)
     for name, param in module.named_parameters():  # a tied parameter is listed once
@@ -125,7 +126,7 @@ class DistributedDataParallel(nn.Module):
     """Wrap a module for data-parallel training with bucketed all-reduces overlapped with backward.
 
     module: the model, the same architecture on every rank; its parameters are overwritten
-        with global rank `broadcast_from`'s at construction (None: the group's first rank).
+        with those of rank `broadcast_from` of the group at construction (PyTorch's DDP: rank 0).
     bucket_cap_mb: bucket size in MiB (2**20 bytes), as PyTorch's argument of the same name.
     group: the process group (None: all ranks).
     ring: all-reduce buckets with shardlib.comm.ring_all_reduce (blocking, so no overlap; the
@@ -138,7 +139,7 @@ class DistributedDataParallel(nn.Module):
     autograd ends); `finish_gradient_sync()` is that wait, and may be called again harmlessly.
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group=None, broadcast_from: int | None = None,
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, *, group=None, broadcast_from: int = 0,
                  ring: bool = False, record_timeline: bool = False):
         super().__init__()
         if not bucket_cap_mb > 0:
@@ -150,8 +151,9 @@ class DistributedDataParallel(nn.Module):
         self.world_size = dist.get_world_size(group)
         self.require_backward_grad_sync = True  # PyTorch's name for what no_sync() turns off
         self.timeline: list[tuple[float, str, int]] | None = [] if record_timeline else None
-        if broadcast_from is None:
-            broadcast_from = dist.get_process_group_ranks(group or dist.group.WORLD)[0]
+        if not 0 <= broadcast_from < self.world_size:
+            raise ValueError(f"broadcast_from={broadcast_from} is not a rank of a group of {self.world_size}: "
+                             f"use 0 .. {self.world_size - 1}")
         broadcast_parameters(module, src=broadcast_from, group=group)
         indices = assign_buckets([p for _, p in named], int(bucket_cap_mb * 2**20))
         self.buckets = [_make_bucket([named[i] for i in bucket]) for bucket in indices]

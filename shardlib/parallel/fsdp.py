@@ -32,6 +32,14 @@ Communication per rank and step, elements sent (ring collectives):
 (FSDP2 keeps the root unit gathered between forward and backward, which saves the root's
 second all-gather; here every unit reshards, so the count is exactly 3 passes.)
 
+Prefetch (prefetch=True, the default; FSDP paper, Section 3.3, backward and forward prefetching):
+the all-gather of the unit that comes next is started asynchronously as soon as the current unit's
+parameters are in place, so it travels while the current unit computes. "Next" is the order the units ran in the previous
+forward (for forward prefetch) and the order their backwards started in the previous backward
+(for backward prefetch), as the root's fully_shard records them: from the second step on. The
+collectives and their bytes are the same; only when they start changes. Memory: the next unit's
+full parameters are gathered one unit early, so two units (and the root) are whole at a time.
+
 Inputs: frozen parameters (requires_grad=False) stay whole on every rank, untouched;
 tied parameters must live in one unit (refused with a clear error otherwise); trainable
 parameters of mixed dtypes are refused. Every rank must run the same units in the same
@@ -40,21 +48,47 @@ order, once per forward.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from shardlib.parallel.zero import FlatLayout, all_gather_flat, cast_floats, reduce_scatter_flat, trainable_parameters
+from shardlib.comm import ops
+from shardlib.parallel.zero import FlatLayout, cast_floats, trainable_parameters
 
 __all__ = ["fully_shard", "full_state_dict", "FSDPUnit"]
+
+
+class _UnitOrder:
+    """The order units ran in, this step and the previous one; shared by the units under one root."""
+
+    def __init__(self):
+        self.forward, self.backward = [], []  # this step's, being recorded
+        self.last_forward, self.last_backward = [], []  # the previous step's: what prefetch follows
+
+    def start_step(self, module, args) -> None:  # the root's forward pre-hook, before any unit's
+        if self.forward:
+            self.last_forward, self.last_backward = self.forward, self.backward
+        self.forward, self.backward = [], []
+
+    @staticmethod
+    def next_after(unit, order: list, last: list):
+        """The unit that followed `unit`'s position in the previous step, if any."""
+        k = len(order) - 1  # `unit` was just appended to `order`
+        return last[k + 1] if k + 1 < len(last) and last[k] is unit else None
 
 
 class FSDPUnit:
     """The sharded state of one unit and the hooks that gather and free it."""
 
-    def __init__(self, module: nn.Module, group, param_dtype, output_dtype, reshard_after_forward: bool):
+    def __init__(self, module: nn.Module, group, param_dtype, output_dtype, reshard_after_forward: bool,
+                 prefetch: bool = True):
         self.group, self.reshard_after_forward = group, reshard_after_forward
+        self.prefetch, self.order, self.pending = prefetch, None, None  # order: set by the root's fully_shard
+        self.name = type(module).__name__
+        self.gather_log = None  # a list to record each all-gather: (unit, issued, done) perf_counter seconds
         self.param_dtype, self.output_dtype = param_dtype, output_dtype
         owners = _owners_outside_units(module)  # [(qualified name, owner module, attribute, param)]
         named = trainable_parameters([(qn, p) for qn, _, _, p in owners], "fully_shard")
@@ -84,18 +118,42 @@ class FSDPUnit:
 
     # -- gather and free -----------------------------------------------------------------
 
-    def unshard(self) -> None:
-        if self.gathered:
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather the full parameters; async_op=True only starts the all-gather (a prefetch)."""
+        if self.gathered or self.pending is not None:
+            if not async_op:
+                self._wait()
             return
         self.flat.untyped_storage().resize_(self.layout.padded_numel * self.flat.element_size())
         shard = self.shard.to(self.flat.dtype)  # (c,) bf16 copy in mixed precision, else itself
+        issued = time.perf_counter()
         # .data: refilling the storage must not look like an in-place change to the saved views
-        all_gather_flat(self.flat.data, shard, self.group)  # (c,) -> (N*c,)
+        work = ops.all_gather_into_tensor(self.flat.data, shard, group=self.group, async_op=True)  # (c,) -> (N*c,)
+        if self.gather_log is not None:
+            entry = {"unit": self.name, "issued": issued, "done": None, "prefetch": async_op}
+            self.gather_log.append(entry)
+            work.get_future().then(lambda _: entry.update(done=time.perf_counter()))
+        self.pending = (work, shard)  # the shard copy must live until the gather is done
+        if not async_op:
+            self._wait()
+
+    def _wait(self) -> None:
+        if self.pending is not None:
+            self.pending[0].wait()
+            self.pending = None
         self.gathered = True
 
     def reshard(self) -> None:
+        if self.pending is not None:
+            self._wait()  # a prefetch still writing into the storage must finish before it is freed
         self.flat.untyped_storage().resize_(0)  # views saved for backward keep the storage object, not its bytes
         self.gathered = False
+
+    def _prefetch(self, order: list, last: list) -> None:
+        order.append(self)
+        following = _UnitOrder.next_after(self, order, last)
+        if self.prefetch and following is not None:
+            following.unshard(async_op=True)
 
     def _use(self, tensors) -> None:
         for t, owners_of_p in zip(tensors, self.owners):
@@ -106,6 +164,8 @@ class FSDPUnit:
 
     def _pre_forward(self, module, args):
         self.unshard()
+        if self.order is not None:
+            self._prefetch(self.order.forward, self.order.last_forward)  # the next unit's all-gather starts now
         self._use(self.layout.views(self.flat))  # full-shape views of (N*c,), tracked by autograd
         return cast_floats(args, self.param_dtype) if self.param_dtype is not None else args
 
@@ -117,14 +177,19 @@ class FSDPUnit:
             output = cast_floats(output, self.output_dtype)
         needing_grad = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if needing_grad:  # fires when backward reaches this unit's outputs, before the unit's own backward
-            torch.autograd.graph.register_multi_grad_hook(needing_grad, lambda grad: self.unshard(), mode="any")
+            torch.autograd.graph.register_multi_grad_hook(needing_grad, self._pre_backward, mode="any")
         return output
+
+    def _pre_backward(self, grad) -> None:
+        self.unshard()
+        if self.order is not None:
+            self._prefetch(self.order.backward, self.order.last_backward)  # the unit whose backward comes next
 
     @torch.no_grad()
     def _post_backward(self, flat: torch.Tensor) -> None:
         full_grad = flat.grad  # (N*c,) this rank's gradient of the whole unit
         grad = torch.empty(self.layout.shard_numel, dtype=full_grad.dtype, device=full_grad.device)  # (c,)
-        reduce_scatter_flat(grad, full_grad, self.group)  # (N*c,) -> (c,) summed over ranks
+        ops.reduce_scatter_tensor(grad, full_grad, group=self.group)  # (N*c,) -> (c,) summed over ranks
         flat.grad = None
         self.reshard()
         grad = grad.to(self.shard.dtype).div_(dist.get_world_size(self.group))
@@ -135,7 +200,7 @@ class FSDPUnit:
     def full_parameters(self) -> list[torch.Tensor]:
         """The unit's parameters, whole, at the shard's precision (a collective: every rank calls it)."""
         full = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
-        all_gather_flat(full, self.shard, self.group)  # (c,) -> (N*c,)
+        ops.all_gather_into_tensor(full, self.shard, group=self.group)  # (c,) -> (N*c,)
         return [v.clone() for v in self.layout.views(full)]
 
 
@@ -155,13 +220,16 @@ def _units(module: nn.Module):
 
 
 def fully_shard(module: nn.Module, *, group=None, param_dtype: torch.dtype | None = None,
-                output_dtype: torch.dtype | None = None, reshard_after_forward: bool = True) -> nn.Module:
+                output_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
+                prefetch: bool = True) -> nn.Module:
     """Shard `module`'s parameters (those not already in a sharded sub-unit) over the group's ranks.
 
     Call it bottom-up: `for block in model.blocks: fully_shard(block)`, then `fully_shard(model)`.
     The ranks must start from the same weights. param_dtype: compute dtype (e.g. torch.bfloat16;
     floating inputs of the unit are cast to it; shards and optimizer stay fp32); output_dtype: cast
-    floating outputs to it (e.g. torch.float32 on the root). Returns the module, changed in place.
+    floating outputs to it (e.g. torch.float32 on the root). prefetch: start the next unit's
+    all-gather while this one computes (see the module docstring); the units under `module` follow
+    the order this call records. Returns the module, changed in place.
     """
     if hasattr(module, "_fsdp_unit"):
         raise ValueError(f"{type(module).__name__} is already sharded: call fully_shard once per module")
@@ -175,9 +243,21 @@ def fully_shard(module: nn.Module, *, group=None, param_dtype: torch.dtype | Non
                              "(or only the root), or untie them.")
     if not any(p.requires_grad for _, _, _, p in _owners_outside_units(module)):
         module._fsdp_unit = None  # nothing to train here: frozen parameters stay whole on every rank
-        return module
-    module._fsdp_unit = FSDPUnit(module, group, param_dtype, output_dtype, reshard_after_forward)
+    else:
+        module._fsdp_unit = FSDPUnit(module, group, param_dtype, output_dtype, reshard_after_forward, prefetch)
+    _record_order_under(module)
     return module
+
+
+def _record_order_under(root: nn.Module) -> None:
+    """Give the units under `root` one shared _UnitOrder, reset by root's forward pre-hook at each step."""
+    units = _units(root)
+    if len(units) < 2:
+        return
+    order = _UnitOrder()
+    for prefix, unit in units:
+        unit.order, unit.name = order, prefix.rstrip(".") or "root"
+    root.register_forward_pre_hook(order.start_step, prepend=True)  # before the root unit's own pre-hook
 
 
 @torch.no_grad()

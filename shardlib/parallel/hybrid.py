@@ -62,12 +62,12 @@ class TensorParallelGPTStage(GPTStage):
     """A pipeline stage cut from a TensorParallelGPT: the same modules as GPTStage, each split t
     ways; its last stage's logits are (b, s, V/t), so the loss is the vocabulary-parallel one."""
 
-    def __init__(self, model: TensorParallelGPT, stage_index: int, num_stages: int, layers: range, group):
+    def __init__(self, model: TensorParallelGPT, stage_index: int, num_stages: int, layers: range, *, group):
         super().__init__(model, stage_index, num_stages, layers)
-        self.tp_group = group
+        self.group = group
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_group)  # (b, s, V/t) -> scalar
+        return vocab_parallel_cross_entropy(logits, targets, group=self.group)  # (b, s, V/t) -> scalar
 
 
 def data_parallel_dims(mesh: Mesh, zero3: bool = False) -> tuple[str | None, str | None]:
@@ -112,13 +112,13 @@ class HybridGPT:
         if self.shard_dim and p > 1:
             raise ValueError("ZeRO-3 / HSDP with pipeline stages is not composed here: use plain data "
                              "parallelism with pipeline parallelism (zero3=False)")
-        module = parallelize_gpt(model, mesh.group("tp")) if t > 1 else model  # frozen stays frozen
+        module = parallelize_gpt(model, group=mesh.group("tp")) if t > 1 else model  # frozen stays frozen
         self.partition_dims = {name: getattr(q, "partition_dim", None) for name, q in module.named_parameters()}
         if p > 1:
             stage = gpt_stage(model, mesh.rank("pp"), p, layers_per_stage)  # which blocks: cut the full model
             blocks = [int(i) for i in stage.blocks]
             layers = range(blocks[0], blocks[-1] + 1)
-            module = (TensorParallelGPTStage(module, mesh.rank("pp"), p, layers, mesh.group("tp")) if t > 1
+            module = (TensorParallelGPTStage(module, mesh.rank("pp"), p, layers, group=mesh.group("tp")) if t > 1
                       else stage)
         if self.shard_dim:
             group = mesh.group(self.shard_dim)

@@ -25,6 +25,11 @@ s sequence length, h hidden size, a heads, L layers):
                     b * s * h elements sent to each neighbour. No collective in the pipeline.
     bubble          idle fraction (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/p naive
 
+Interleaved schedules give each rank v chunks (pass the list of the rank's chunks as `stage`:
+chunk c of rank s is virtual stage c*p + s of v*p, e.g. `gpt_stage(model, c*p + s, v*p)`); the
+zero-bubble schedule splits each backward into B and W, which needs
+`shardlib.parallel.split_backward.split_weight_gradients(stage)` on every chunk.
+
 A stage is any nn.Module with `stage_index`, `num_stages`, `is_first`, `is_last`,
 `forward(input)`, `loss(output, target)` (used on the last stage) and
 `activation_shape(microbatch_input)` (the shape a non-first stage receives); `GPTStage` cuts
@@ -51,10 +56,13 @@ from shardlib.parallel.schedules import (
     check_actions,
     get_schedule,
     measured_bubble,
+    message_order_problems,
     plot_timeline,
     simulate,
     stash_formula,
+    unpack,
 )
+from shardlib.parallel.split_backward import pending_bytes
 
 __all__ = ["GPTStage", "gpt_stage", "balanced_split", "check_pipeline", "check_microbatches", "pipeline_step",
            "StepResult",
@@ -212,21 +220,28 @@ def _now(device: torch.device) -> float:
 class _Run:
     """What one rank knows while it runs its schedule."""
 
-    stage: nn.Module
+    chunks: list  # this rank's stages: one, or v chunks of an interleaved schedule
     n_microbatches: int
     group: object
-    prev_rank: int | None  # global ranks of the neighbouring stages
-    next_rank: int | None
+    prev_rank: int  # global ranks of the neighbouring ranks (a chunk at virtual stage 0 or the last one ignores them)
+    next_rank: int
     measure_memory: bool
-    stash: dict = field(default_factory=dict)  # micro-batch -> (stage input, output or loss, saved bytes)
+    stash: dict = field(default_factory=dict)  # (micro-batch, chunk) -> (stage input, output or loss, saved bytes)
+    weight_work: dict = field(default_factory=dict)  # (micro-batch, chunk) -> (deferred W work, its bytes)
     sends: list = field(default_factory=list)  # (Work, tensor): in flight until the step ends
     loss_sum: float = 0.0
     peak: int = 0
     peak_bytes: int = 0
 
+    def account(self) -> None:
+        """Micro-batches held (forward done, backward or W not yet) and their bytes, for the peaks."""
+        self.peak = max(self.peak, len(self.stash) + len(self.weight_work))
+        held = sum(b for _, _, b in self.stash.values()) + sum(b for _, b in self.weight_work.values())
+        self.peak_bytes = max(self.peak_bytes, held)
 
-def _forward(run: _Run, i: int, x: torch.Tensor, target: torch.Tensor, device) -> tuple[float, float]:
-    stage = run.stage
+
+def _forward(run: _Run, i: int, c: int, x: torch.Tensor, target: torch.Tensor, device) -> tuple[float, float]:
+    stage = run.chunks[c]
     if not stage.is_first:
         x = torch.empty(stage.activation_shape(x), dtype=next(stage.parameters()).dtype, device=device)  # (b/m, T, h)
         ops.recv(x, run.prev_rank, group=run.group)
@@ -237,9 +252,8 @@ def _forward(run: _Run, i: int, x: torch.Tensor, target: torch.Tensor, device) -
         if stage.is_last:
             out = stage.loss(out, target) / run.n_microbatches  # the mean over m micro-batches
     end = _now(device)
-    run.stash[i] = (x, out, sum(saved.storages.values()) if saved else 0)
-    run.peak = max(run.peak, len(run.stash))
-    run.peak_bytes = max(run.peak_bytes, sum(b for _, _, b in run.stash.values()))
+    run.stash[i, c] = (x, out, sum(saved.storages.values()) if saved else 0)
+    run.account()
     if stage.is_last:
         run.loss_sum += out.item()
     else:
@@ -248,23 +262,53 @@ def _forward(run: _Run, i: int, x: torch.Tensor, target: torch.Tensor, device) -
     return start, end
 
 
-def _backward(run: _Run, i: int, device) -> tuple[float, float]:
-    x, out, _ = run.stash.pop(i)
+def _backward(run: _Run, i: int, c: int, device, split: bool) -> tuple[float, float]:
+    stage = run.chunks[c]
+    x, out, _ = run.stash.pop((i, c))
     grad = None
-    if not run.stage.is_last:
+    if not stage.is_last:
         grad = torch.empty_like(out)  # (b/m, T, h): d loss / d output
         ops.recv(grad, run.next_rank, group=run.group)
     start = _now(device)
-    torch.autograd.backward(out, grad)
+    if split:
+        stage.weight_grad_store.defer = True  # B: input gradients now, weight gradients put aside for W
+    try:
+        torch.autograd.backward(out, grad)
+    finally:
+        if split:
+            stage.weight_grad_store.defer = False
     end = _now(device)
-    if not run.stage.is_first:
+    if split:
+        work = stage.weight_grad_store.take()
+        run.weight_work[i, c] = (work, pending_bytes(work) if run.measure_memory else 0)
+    run.account()
+    if not stage.is_first:
         payload = x.grad.contiguous()  # (b/m, T, h): d loss / d input
         run.sends.append((ops.isend(payload, run.prev_rank, group=run.group), payload))
     return start, end
 
 
-def pipeline_step(stage: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], n_microbatches: int,
-                  schedule="1f1b", group=None, measure_memory: bool = True) -> StepResult:
+def _weight(run: _Run, i: int, c: int, device) -> tuple[float, float]:
+    work, _ = run.weight_work.pop((i, c))
+    start = _now(device)
+    for weight_gradient, _ in work:
+        weight_gradient()  # dW = dY^T X (and db) of each linear layer, accumulated into .grad
+    return start, _now(device)
+
+
+def _check_chunks(chunks: list, s: int, p: int) -> int:
+    """The number of chunks v, after checking that chunk c is virtual stage c*p + s of v*p."""
+    v = len(chunks)
+    got = [(chunk.stage_index, chunk.num_stages) for chunk in chunks]
+    want = [(c * p + s, v * p) for c in range(v)]
+    if got != want:
+        raise ValueError(f"rank {s} of a group of {p} with {v} chunk(s) runs virtual stages (index, of) {want}, "
+                         f"but was given {got}" + ("" if v > 1 else f": stage {s} of {p}"))
+    return v
+
+
+def pipeline_step(stage, batch: tuple[torch.Tensor, torch.Tensor], n_microbatches: int,
+                  schedule="1f1b", *, group=None, measure_memory: bool = True) -> StepResult:
     """Forward and backward of one global batch through the pipeline; gradients accumulate in
     the stage's parameters (call optimizer.step() afterwards). Every rank of `group` calls it
     with its own stage: the group's rank r runs stage r. `batch` = (inputs, targets), the whole
@@ -273,29 +317,45 @@ def pipeline_step(stage: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], n_
     The timeline's times are the machine's monotonic clock (time.perf_counter), which every
     process on one machine shares, so events of different ranks can be drawn on one axis.
 
-    schedule: "naive", "gpipe", "1f1b", or a function (p, m, stage_index) -> [(op, i), ...].
+    stage: this rank's stage, or the list of its v chunks for an interleaved schedule.
+    schedule: "naive", "gpipe", "1f1b", "interleaved", "zero-bubble", or a function
+    (p, m, stage_index) -> [(op, i) or (op, i, chunk), ...].
     measure_memory: count the bytes autograd saves for each stashed micro-batch (a hook per
     saved tensor; turn off when timing against another implementation).
     """
     s, p = dist.get_rank(group), dist.get_world_size(group)
-    if (stage.stage_index, stage.num_stages) != (s, p):
-        raise ValueError(f"rank {s} of a group of {p} runs stage {s} of {p}, but was given stage "
-                         f"{stage.stage_index} of {stage.num_stages}")
+    chunks = list(stage) if isinstance(stage, (list, tuple, nn.ModuleList)) else [stage]
+    v = _check_chunks(chunks, s, p)
     inputs, targets = batch
     check_microbatches(inputs.shape[0], n_microbatches)
-    actions = get_schedule(schedule)(p, n_microbatches, s)
+    actions = [unpack(a) for a in get_schedule(schedule)(p, n_microbatches, s)]
     check_actions(actions, n_microbatches, s)
+    used = 1 + max(c for _, _, c in actions)
+    if used != v:
+        raise ValueError(f"the schedule runs {used} chunk(s) per rank but rank {s} was given {v}")
+    split = any(op == "W" for op, _, _ in actions)
+    if split and not all(getattr(chunk, "weight_grad_store", None) is not None for chunk in chunks):
+        raise ValueError("this schedule splits backward into B and W: call "
+                         "shardlib.parallel.split_backward.split_weight_gradients(stage) on every stage first")
     simulate(schedule, p, n_microbatches)  # raises, instead of hanging, if the stages' orders deadlock
+    problems = message_order_problems(schedule, p, n_microbatches)
+    if problems:
+        raise ValueError("the schedule would match messages to the wrong receives: " + "; ".join(problems[:2]))
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    run = _Run(stage, n_microbatches, group, ranks[s - 1] if s > 0 else None, ranks[s + 1] if s < p - 1 else None,
-               measure_memory)
+    run = _Run(chunks, n_microbatches, group, ranks[(s - 1) % p], ranks[(s + 1) % p], measure_memory)
     x_mbs, y_mbs = inputs.chunk(n_microbatches), targets.chunk(n_microbatches)  # m x (b/m, ...)
     device, timeline = inputs.device, []
     ops.barrier(group)
     t0 = _now(device)
-    for op, i in actions:
-        start, end = _forward(run, i, x_mbs[i], y_mbs[i], device) if op == "F" else _backward(run, i, device)
-        timeline.append(Event(s, op, i, start, end))
+    for op, i, c in actions:
+        if op == "F":
+            start, end = _forward(run, i, c, x_mbs[i], y_mbs[i], device)
+        elif op == "B":
+            start, end = _backward(run, i, c, device, split)
+        else:
+            start, end = _weight(run, i, c, device)
+        timeline.append(Event(s, op, i, start, end, c))
     for work, _ in run.sends:
         work.wait()
-    return StepResult(run.loss_sum if stage.is_last else None, timeline, run.peak, run.peak_bytes, _now(device) - t0)
+    has_loss = any(chunk.is_last for chunk in chunks)
+    return StepResult(run.loss_sum if has_loss else None, timeline, run.peak, run.peak_bytes, _now(device) - t0)

@@ -66,7 +66,7 @@ def check_divisible(size: int, t: int, what: str) -> None:
 # the collectives, skipped when t = 1
 
 
-def all_reduce_copy(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce_copy(x: torch.Tensor, op=dist.ReduceOp.SUM, *, group=None) -> torch.Tensor:
     """x reduced over the group (sum by default), in a new tensor: x itself is left alone."""
     if dist.get_world_size(group) == 1:
         return x
@@ -116,7 +116,7 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce_copy(grad, ctx.group), None  # (B, T, C): the sum of every rank's dX
+        return all_reduce_copy(grad, group=ctx.group), None  # (B, T, C): the sum of every rank's dX
 
 
 class ReduceFromTensorParallelRegion(torch.autograd.Function):
@@ -124,7 +124,7 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return all_reduce_copy(x, group)  # (B, T, C)
+        return all_reduce_copy(x, group=group)  # (B, T, C)
 
     @staticmethod
     def backward(ctx, grad):
@@ -170,14 +170,14 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _all_gather(grad, SEQUENCE_DIM, ctx.group), None  # (B, T/t, C) -> (B, T, C)
 
 
-def enter_tp_region(x: torch.Tensor, group=None, sequence_parallel: bool = False) -> torch.Tensor:
+def enter_tp_region(x: torch.Tensor, *, group=None, sequence_parallel: bool = False) -> torch.Tensor:
     """f (or its all-gather under sequence parallelism): every rank gets the full (B, T, C)."""
     if sequence_parallel:
         return GatherFromSequenceParallelRegion.apply(x, group)
     return CopyToTensorParallelRegion.apply(x, group)
 
 
-def exit_tp_region(x: torch.Tensor, group=None, sequence_parallel: bool = False) -> torch.Tensor:
+def exit_tp_region(x: torch.Tensor, *, group=None, sequence_parallel: bool = False) -> torch.Tensor:
     """g (or its reduce-scatter under sequence parallelism): sum the ranks' partial outputs."""
     if sequence_parallel:
         return ReduceScatterToSequenceParallelRegion.apply(x, group)
@@ -202,7 +202,7 @@ class ColumnParallelLinear(nn.Module):
     or (B, T, out) with gather_output. `copy_input=False` when the caller applied f already
     (several column layers reading one input need a single all-reduce backward)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None, *,
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
                  gather_output: bool = False, sequence_parallel: bool = False, copy_input: bool = True):
         super().__init__()
         _, t = rank_and_size(group)
@@ -215,16 +215,16 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
-            x = enter_tp_region(x, self.group, self.sequence_parallel)  # (B, T, in)
+            x = enter_tp_region(x, group=self.group, sequence_parallel=self.sequence_parallel)  # (B, T, in)
         y = F.linear(x, self.weight, self.bias)  # (B, T, out/t)
         return GatherFromTensorParallelRegion.apply(y, self.group) if self.gather_output else y
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, **options):
+    def from_linear(cls, linear: nn.Linear, *, group=None, **options):
         """This rank's shard of a full nn.Linear (same weights as `linear`)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, **options)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group, **options)
         layer.to(linear.weight.dtype)
-        load_shards(layer, linear.state_dict(), group)
+        load_shards(layer, linear.state_dict(), group=group)
         return layer
 
 
@@ -233,7 +233,7 @@ class RowParallelLinear(nn.Module):
     [i*in/t, (i+1)*in/t). Input (B, T, in/t) already split -> output (B, T, out) summed
     by g (under sequence parallelism (B, T/t, out)). The bias is added once, after the sum."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None, *,
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
                  sequence_parallel: bool = False):
         super().__init__()
         _, t = rank_and_size(group)
@@ -248,7 +248,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, in/t)
         partial = F.linear(x, self.weight)  # (B, T, out): this rank's share of the sum
-        y = exit_tp_region(partial, self.group, self.sequence_parallel)  # (B, T, out) or (B, T/t, out)
+        # (B, T, out), or (B, T/t, out) under sequence parallelism
+        y = exit_tp_region(partial, group=self.group, sequence_parallel=self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
     from_linear = classmethod(ColumnParallelLinear.from_linear.__func__)  # the same: cut the full layer's tensors
@@ -268,7 +269,7 @@ def _reset_like_linear(weight: nn.Parameter, bias: nn.Parameter | None, fan_in: 
 
 
 @torch.no_grad()
-def load_shards(module: nn.Module, full_state: dict[str, torch.Tensor], group=None) -> None:
+def load_shards(module: nn.Module, full_state: dict[str, torch.Tensor], *, group=None) -> None:
     """Copy this rank's slice of every parameter from a full (single-device) state dict."""
     rank, t = rank_and_size(group)
     params = dict(module.named_parameters())
@@ -285,7 +286,7 @@ def load_shards(module: nn.Module, full_state: dict[str, torch.Tensor], group=No
 
 
 @torch.no_grad()
-def gather_full_state_dict(module: nn.Module, group=None, *, grads: bool = False) -> dict[str, torch.Tensor]:
+def gather_full_state_dict(module: nn.Module, *, group=None, grads: bool = False) -> dict[str, torch.Tensor]:
     """The single-device state dict, on every rank: shards all-gathered along `partition_dim`.
     With grads=True, the full gradients of the parameters that require them (None as zeros)."""
     full, t = {}, dist.get_world_size(group)

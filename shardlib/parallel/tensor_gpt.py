@@ -8,17 +8,21 @@ Korthikanti et al., arXiv 2205.05198, section 4.2.2. Layers: shardlib/parallel/t
     loss       vocabulary-parallel cross-entropy: the (B, T, V) logits are never gathered
     MLP        fc: column-parallel (h -> 4h/t), GELU on the shard, proj: row-parallel (4h/t -> h)
     attention  q, k, v: column-parallel by heads (n_head/t heads per rank), attention on those
-               heads alone, o_proj: row-parallel (h/t -> h)
+               heads alone, o_proj: row-parallel (h/t -> h). With grouped-query attention (n_kv_head
+               key/value heads) k and v split by kv heads, n_kv_head/t per rank; when n_kv_head < t each
+               kv head is replicated on t/n_kv_head ranks (as Megatron-LM and vLLM do): k, v weights and
+               KV cache per rank stay at 1/n_kv_head instead of 1/t (inference only: training would need
+               the replicas' weight gradients summed)
 
-Per rank memory, Psi = V*h + T*h + L*(12h^2 + 13h) + 2h + h*V parameters:
-    (2*V*h + L*(12h^2 + 7h)) / t  split,  plus  T*h + L*6h + 2h  replicated
-(per layer the 12h^2 + 7h are q/k/v/o and MLP weights and the column biases; the 6h are two
-LayerNorms and two row biases). Communication per step: see shardlib/parallel/tensor.py,
+Per rank memory, Psi = V*h + T*h + L*(12h^2 + 12h) + 2h + h*V parameters:
+    (2*V*h + L*(12h^2 + 6h)) / t  split,  plus  T*h + L*6h + 2h  replicated
+(per layer the 12h^2 + 6h are q/k/v/o and MLP weights and the column biases of q, v and fc; the
+6h are two LayerNorms and two row biases). Communication per step: see shardlib/parallel/tensor.py,
 2 all-reduces of b*s*h forward and 2 backward per transformer layer; the embedding adds one
 of b*s*h forward, the loss three of b*s (max, target logit, sum of exponentials).
 
-`parallelize_gpt(model, group)` turns a full GPT (or its state dict) into this form;
-`gather_full_state_dict(model, group)` (from tensor_parallel) gives the full state dict back,
+`parallelize_gpt(model, group=group)` turns a full GPT (or its state dict) into this form;
+`gather_full_state_dict(model, group=group)` (shardlib/parallel/tensor.py) gives the full state dict back,
 with the same names as the single-device GPT.
 """
 
@@ -30,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardlib.comm import ops
-from shardlib.models import GPT, GPTConfig
+from shardlib.models import GPT, GPTConfig, repeat_kv
 from shardlib.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -49,6 +53,9 @@ def check_tp_config(config: GPTConfig, t: int, sequence_parallel: bool = False, 
     if t < 1:
         raise ValueError(f"tensor-parallel size must be >= 1, got {t}")
     check_divisible(config.n_head, t, "n_head")
+    if config.kv_heads % t and t % config.kv_heads:
+        raise ValueError(f"n_kv_head={config.kv_heads} and t={t}: each rank needs whole key/value heads, so t must "
+                         f"divide n_kv_head (heads split) or be a multiple of it (heads replicated)")
     check_divisible(4 * config.n_embd, t, "MLP hidden size 4*n_embd")
     check_divisible(config.vocab_size, t, "vocab_size")
     if sequence_parallel:
@@ -64,7 +71,7 @@ class VocabParallelEmbedding(nn.Module):
     Each rank looks up its own tokens, writes zeros for the others', and g sums:
     (B, T) ids -> (B, T, C), or (B, T/t, C) under sequence parallelism (reduce-scatter)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, group=None, *, sequence_parallel: bool = False):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group=None, sequence_parallel: bool = False):
         super().__init__()
         rank, t = rank_and_size(group)
         check_divisible(num_embeddings, t, "vocab_size")
@@ -79,13 +86,14 @@ class VocabParallelEmbedding(nn.Module):
         elsewhere = (local < 0) | (local >= self.weight.shape[0])  # (B, T): another rank's tokens
         partial = F.embedding(local.masked_fill(elsewhere, 0), self.weight)  # (B, T, C)
         partial = partial.masked_fill(elsewhere.unsqueeze(-1), 0.0)
-        return exit_tp_region(partial, self.group, self.sequence_parallel)  # (B, T, C) or (B, T/t, C)
+        # (B, T, C), or (B, T/t, C) under sequence parallelism
+        return exit_tp_region(partial, group=self.group, sequence_parallel=self.sequence_parallel)
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group=None, **options) -> "VocabParallelEmbedding":
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, **options)
+    def from_embedding(cls, embedding: nn.Embedding, *, group=None, **options) -> "VocabParallelEmbedding":
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group=group, **options)
         layer.to(embedding.weight.dtype)
-        load_shards(layer, embedding.state_dict(), group)
+        load_shards(layer, embedding.state_dict(), group=group)
         return layer
 
 
@@ -100,15 +108,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         v_local, ctx.logits_shape = logits.shape[-1], logits.shape  # (B, T, V/t)
         logits = logits.reshape(-1, v_local)  # (N, V/t), N = B*T
         targets = targets.reshape(-1)  # (N,)
-        global_max = all_reduce_copy(logits.max(dim=-1).values, group, op=dist.ReduceOp.MAX)  # (N,)
+        global_max = all_reduce_copy(logits.max(dim=-1).values, dist.ReduceOp.MAX, group=group)  # (N,)
         shifted = logits - global_max.unsqueeze(1)  # (N, V/t), at most 0: exp cannot overflow
         local = targets - rank * v_local
         elsewhere = (local < 0) | (local >= v_local)  # (N,): the target is another rank's token
         local = local.masked_fill(elsewhere, 0)
         target_logit = shifted.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(elsewhere, 0.0)  # (N,)
-        target_logit = all_reduce_copy(target_logit, group)  # (N,)
+        target_logit = all_reduce_copy(target_logit, group=group)  # (N,)
         exp = shifted.exp()  # (N, V/t)
-        sum_exp = all_reduce_copy(exp.sum(dim=-1), group)  # (N,)
+        sum_exp = all_reduce_copy(exp.sum(dim=-1), group=group)  # (N,)
         loss = sum_exp.log() - target_logit  # (N,): log sum_j e^z_j - z_target
         ctx.save_for_backward(exp / sum_exp.unsqueeze(1), local, elsewhere)  # softmax shard (N, V/t)
         return loss.mean()
@@ -123,7 +131,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.view(ctx.logits_shape), None, None  # (B, T, V/t)
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, group=None) -> torch.Tensor:
     """Mean cross-entropy from logits split over the vocabulary, equal to
     F.cross_entropy(full_logits, targets). logits: (B, T, V/t), targets: (B, T) ids in [0, V)."""
     return _VocabParallelCrossEntropy.apply(logits, targets, group).view(())  # scalar
@@ -136,7 +144,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
 class ParallelMLP(nn.Module):
     """Megatron MLP: f -> column fc -> GELU -> row proj -> g. (B, T, C) -> (B, T, C)."""
 
-    def __init__(self, config: GPTConfig, group=None, sequence_parallel: bool = False):
+    def __init__(self, config: GPTConfig, *, group=None, sequence_parallel: bool = False):
         super().__init__()
         h = config.n_embd
         self.fc = ColumnParallelLinear(h, 4 * h, group=group, sequence_parallel=sequence_parallel)
@@ -150,23 +158,30 @@ class ParallelSelfAttention(nn.Module):
     """Megatron attention: each rank owns n_head/t whole heads, so attention needs no
     communication; o_proj (row-parallel) sums the heads' contributions."""
 
-    def __init__(self, config: GPTConfig, group=None, sequence_parallel: bool = False):
+    def __init__(self, config: GPTConfig, *, group=None, sequence_parallel: bool = False):
         super().__init__()
         h = config.n_embd
         self.group, self.sequence_parallel = group, sequence_parallel
         self.head_dim, self.dropout = h // config.n_head, config.dropout
         # f is applied once for q, k and v (Megatron fuses them into one column-parallel
         # linear): one all-reduce backward, not three
-        self.q_proj, self.k_proj, self.v_proj = (ColumnParallelLinear(h, h, group=group, copy_input=False)
-                                                 for _ in range(3))
+        t = dist.get_world_size(group)
+        self.kv_replicas = max(t // config.kv_heads, 1)  # ranks holding each kv head (n_kv_head < t: replicated)
+        kv_out = max(config.kv_heads, t) * self.head_dim  # kv heads, repeated up to t when n_kv_head < t
+        self.q_proj, self.k_proj, self.v_proj = (ColumnParallelLinear(h, out, bias=bias, group=group, copy_input=False)
+                                                 for out, bias in ((h, True), (kv_out, False), (kv_out, True)))
         self.o_proj = RowParallelLinear(h, h, group=group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C), or (B, T/t, C) under SP
-        x = enter_tp_region(x, self.group, self.sequence_parallel)  # (B, T, C)
+        x = enter_tp_region(x, group=self.group, sequence_parallel=self.sequence_parallel)  # (B, T, C)
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh/t, T, hd)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh/t, T, hd)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh/t, T, hd)
+        if self.kv_replicas > 1 and torch.is_grad_enabled():
+            raise ValueError("key/value heads replicated over ranks (n_kv_head < t) serve inference only: run under "
+                             "torch.no_grad(), or train with t <= n_kv_head")
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv/t, T, hd), at least 1 head
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv/t, T, hd)
+        k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])  # (B, nh/t, T, hd)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C/t)
@@ -176,12 +191,12 @@ class ParallelSelfAttention(nn.Module):
 class ParallelBlock(nn.Module):
     """A pre-LayerNorm block, as models.Block, with Megatron attention and MLP."""
 
-    def __init__(self, config: GPTConfig, group=None, sequence_parallel: bool = False):
+    def __init__(self, config: GPTConfig, *, group=None, sequence_parallel: bool = False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd)
-        self.attn = ParallelSelfAttention(config, group, sequence_parallel)
+        self.attn = ParallelSelfAttention(config, group=group, sequence_parallel=sequence_parallel)
         self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = ParallelMLP(config, group, sequence_parallel)
+        self.mlp = ParallelMLP(config, group=group, sequence_parallel=sequence_parallel)
         if sequence_parallel:
             _mark_sequence_parallel(self.ln_1, self.ln_2)
 
@@ -194,14 +209,15 @@ class TensorParallelGPT(nn.Module):
     """models.GPT split over the ranks of `group`; parameter names are GPT's.
     forward(idx (B, T), targets) -> this rank's logits (B, T, V/t) [, mean loss]."""
 
-    def __init__(self, config: GPTConfig, group=None, sequence_parallel: bool = False):
+    def __init__(self, config: GPTConfig, *, group=None, sequence_parallel: bool = False):
         super().__init__()
         check_tp_config(config, dist.get_world_size(group), sequence_parallel)
         self.config, self.group, self.sequence_parallel = config, group, sequence_parallel
         h, sp = config.n_embd, sequence_parallel
-        self.tok_emb = VocabParallelEmbedding(config.vocab_size, h, group, sequence_parallel=sp)
+        self.tok_emb = VocabParallelEmbedding(config.vocab_size, h, group=group, sequence_parallel=sp)
         self.pos_emb = nn.Embedding(config.seq_len, h)
-        self.blocks = nn.ModuleList(ParallelBlock(config, group, sp) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(ParallelBlock(config, group=group, sequence_parallel=sp)
+                                    for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(h)
         self.lm_head = ColumnParallelLinear(h, config.vocab_size, bias=False, group=group, sequence_parallel=sp)
         if sequence_parallel:
@@ -224,7 +240,7 @@ class TensorParallelGPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))  # (B, T, V/t)
         if targets is None:
             return logits
-        return logits, vocab_parallel_cross_entropy(logits, targets, self.group)
+        return logits, vocab_parallel_cross_entropy(logits, targets, group=self.group)
 
 
 def _mark_sequence_parallel(*modules: nn.Module) -> None:
@@ -233,18 +249,19 @@ def _mark_sequence_parallel(*modules: nn.Module) -> None:
             param.sequence_parallel = True
 
 
-def parallelize_gpt(model_or_state_dict: GPT | dict, group=None, *, config: GPTConfig | None = None,
+def parallelize_gpt(model_or_state_dict: GPT | dict, *, group=None, config: GPTConfig | None = None,
                     sequence_parallel: bool = False) -> TensorParallelGPT:
     """This rank's tensor-parallel shard of a full GPT (or of its state dict, with `config`)."""
     if isinstance(model_or_state_dict, GPT):
         config, state = model_or_state_dict.config, model_or_state_dict.state_dict()
     elif config is None:
-        raise ValueError("parallelize_gpt(state_dict, group) needs config=GPTConfig(...): "
+        raise ValueError("parallelize_gpt(state_dict) needs config=GPTConfig(...): "
                          "the number of heads cannot be read from the weights")
     else:
         state = model_or_state_dict
-    model = TensorParallelGPT(config, group, sequence_parallel).to(state["tok_emb.weight"].dtype)
-    load_shards(model, state, group)
+    model = TensorParallelGPT(config, group=group, sequence_parallel=sequence_parallel)
+    model = model.to(state["tok_emb.weight"].dtype)
+    load_shards(model, replicate_kv_heads(state, config, dist.get_world_size(group)), group=group)
     if isinstance(model_or_state_dict, GPT):  # frozen stays frozen
         for param, source in zip(model.parameters(), model_or_state_dict.parameters()):
             param.requires_grad_(source.requires_grad)
@@ -252,7 +269,7 @@ def parallelize_gpt(model_or_state_dict: GPT | dict, group=None, *, config: GPTC
 
 
 @torch.no_grad()
-def sync_sequence_parallel_grads(model: nn.Module, group=None) -> None:
+def sync_sequence_parallel_grads(model: nn.Module, *, group=None) -> None:
     """Sum, in one all-reduce, the gradients of weights that saw only a sequence shard
     (LayerNorms, row biases, position embedding). Call after backward; nothing without SP."""
     grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
@@ -264,10 +281,22 @@ def sync_sequence_parallel_grads(model: nn.Module, group=None) -> None:
         grad.copy_(piece.view_as(grad))
 
 
-def parallelize_block(block: nn.Module, config: GPTConfig, group=None,
+def parallelize_block(block: nn.Module, config: GPTConfig, *, group=None,
                       sequence_parallel: bool = False) -> ParallelBlock:
     """This rank's shard of one models.Block."""
-    parallel = ParallelBlock(config, group, sequence_parallel).to(block.ln_1.weight.dtype)
-    load_shards(parallel, block.state_dict(), group)
+    parallel = ParallelBlock(config, group=group, sequence_parallel=sequence_parallel).to(block.ln_1.weight.dtype)
+    load_shards(parallel, replicate_kv_heads(block.state_dict(), config, dist.get_world_size(group)), group=group)
     return parallel
+
+
+def replicate_kv_heads(state: dict, config: GPTConfig, t: int) -> dict:
+    """With n_kv_head < t, repeat each kv head's rows of k and v t/n_kv_head times, so that cutting them
+    in t equal pieces gives every rank the kv head its query heads read; otherwise `state` unchanged."""
+    if config.kv_heads >= t:
+        return state
+    hd, repeats = config.n_embd // config.n_head, t // config.kv_heads
+    suffixes = ("attn.k_proj.weight", "attn.v_proj.weight", "attn.v_proj.bias")
+    return {name: (value.unflatten(0, (config.kv_heads, hd)).repeat_interleave(repeats, dim=0).flatten(0, 1)
+                   if name.endswith(suffixes) else value)  # (n_kv * hd, ...) -> (t * hd, ...)
+            for name, value in state.items()}
 

@@ -50,21 +50,7 @@ from torch.utils._pytree import tree_map
 
 from shardlib.comm import ops
 
-__all__ = ["ZeroOptimizer", "FlatLayout", "all_gather_flat", "reduce_scatter_flat", "trainable_parameters"]
-
-
-# ---------------------------------------------------------------------------------
-# collectives on flat buffers
-
-
-def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group=None) -> None:
-    """output (N*c,) <- every rank's shard (c,), in rank order; `shard` may be output's own chunk."""
-    ops.all_gather_into_tensor(output, shard, group=group)
-
-
-def reduce_scatter_flat(shard: torch.Tensor, flat: torch.Tensor, group=None) -> None:
-    """shard (c,) <- chunk r of the sum over ranks of flat (N*c,); `shard` may be flat's own chunk."""
-    ops.reduce_scatter_tensor(shard, flat, group=group)
+__all__ = ["ZeroOptimizer", "FlatLayout", "trainable_parameters"]
 
 
 # ---------------------------------------------------------------------------------
@@ -179,19 +165,20 @@ class ZeroOptimizer:
     stage 1: optimizer state sharded; stage 2: gradients too. param_dtype=torch.bfloat16
     computes forward/backward in bf16 on bf16 params and grads while each rank keeps fp32
     master weights of its shard (floating inputs are cast to bf16, outputs back to fp32).
-    bucket_numel: elements per flat buffer (default: one buffer for the whole model).
+    bucket_cap_mb: MiB (2**20 bytes, in the parameters' dtype) per flat buffer, as PyTorch DDP's
+    argument of that name (default: one buffer for the whole model).
     As in PyTorch's ZeroRedundancyOptimizer, the ranks must start from the same weights.
     Zero gradients with this object's zero_grad(): model.zero_grad() does not reach the shards.
     For an LR scheduler, pass `.optimizer` (the torch optimizer over this rank's pieces).
     """
 
     def __init__(self, module: nn.Module, optimizer_class=torch.optim.AdamW, *, stage: int = 1, group=None,
-                 param_dtype: torch.dtype | None = None, bucket_numel: int | None = None, **defaults):
+                 param_dtype: torch.dtype | None = None, bucket_cap_mb: float | None = None, **defaults):
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer runs stage 1 or 2, got stage={stage!r}; "
                              "for stage 3 shard the parameters with shardlib.parallel.fsdp.fully_shard")
-        if bucket_numel is not None and bucket_numel < 1:
-            raise ValueError(f"bucket_numel must be a positive number of elements, got {bucket_numel!r}")
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
         named = trainable_parameters(module.named_parameters(), f"ZeRO-{stage}")
         self.module, self.stage, self.group = module, stage, group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -199,7 +186,7 @@ class ZeroOptimizer:
         for name, p in module.named_parameters(remove_duplicate=False):
             self.names.setdefault(id(p), []).append(name)
         self.buckets = [_Bucket(params, self.world_size, self.rank, param_dtype)
-                        for params in _group_into_buckets([p for _, p in named], bucket_numel)]
+                        for params in _group_into_buckets([p for _, p in named], bucket_cap_mb)]
         self.mixed = self.buckets[0].master.dtype != self.buckets[0].flat_param.dtype
         self.optimizer = optimizer_class([piece for b in self.buckets for piece in b.pieces], **defaults)
         if self.mixed:
@@ -230,7 +217,7 @@ class ZeroOptimizer:
                 view.copy_(p.grad)
             p.grad = view
         b.grad_shard = b.layout.shard(b.flat_grad)  # (c,) a view: no new memory
-        reduce_scatter_flat(b.grad_shard, b.flat_grad, self.group)  # (N*c,) -> (c,) summed over ranks
+        ops.reduce_scatter_tensor(b.grad_shard, b.flat_grad, group=self.group)  # (N*c,) -> (c,) summed over ranks
         b.grad_shard.div_(self.world_size)
 
     def _on_grad_ready(self, b: _Bucket) -> None:
@@ -244,7 +231,7 @@ class ZeroOptimizer:
         for p in b.params:
             p.grad = None  # full gradients gone: only the (c,) shard below stays
         shard = torch.empty(b.layout.shard_numel, dtype=flat.dtype, device=flat.device)  # (c,)
-        reduce_scatter_flat(shard, flat, self.group)  # (N*c,) -> (c,) summed over ranks
+        ops.reduce_scatter_tensor(shard, flat, group=self.group)  # (N*c,) -> (c,) summed over ranks
         shard.div_(self.world_size)
         b.grad_shard = shard if b.grad_shard is None else b.grad_shard.add_(shard)  # accumulation
         b.ready = 0
@@ -271,7 +258,7 @@ class ZeroOptimizer:
                 b.layout.shard(b.flat_param).copy_(b.master)  # fp32 master -> bf16 shard
                 for piece in b.pieces:
                     piece.grad = None  # drop the transient fp32 gradient copy
-            all_gather_flat(b.flat_param, b.layout.shard(b.flat_param), self.group)  # (c,) -> (N*c,)
+            ops.all_gather_into_tensor(b.flat_param, b.layout.shard(b.flat_param), group=self.group)  # (c,) -> (N*c,)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Stage 1 zeroes its flat gradient buffers (the 2 or 4 Psi bytes it keeps); stage 2 frees the shards."""
@@ -295,7 +282,7 @@ class ZeroOptimizer:
         for b in self.buckets:
             if self.mixed:
                 full = torch.empty(b.layout.padded_numel, dtype=b.master.dtype, device=b.master.device)
-                all_gather_flat(full, b.master, self.group)  # (c,) fp32 masters -> (N*c,)
+                ops.all_gather_into_tensor(full, b.master, group=self.group)  # (c,) fp32 masters -> (N*c,)
             else:
                 full = b.flat_param
             for p, view in zip(b.params, b.layout.views(full)):
@@ -317,15 +304,17 @@ class ZeroOptimizer:
                     optimizer=state + masters)
 
 
-def _group_into_buckets(params: list[nn.Parameter], bucket_numel: int | None) -> list[list[nn.Parameter]]:
-    """Consecutive parameters in buckets of at most bucket_numel elements (a bigger parameter: alone)."""
-    if bucket_numel is None:
+def _group_into_buckets(params: list[nn.Parameter], bucket_cap_mb: float | None) -> list[list[nn.Parameter]]:
+    """Consecutive parameters in buckets of at most bucket_cap_mb MiB (a bigger parameter: alone)."""
+    if bucket_cap_mb is None:
         return [params]
+    cap_bytes = bucket_cap_mb * 2**20
     buckets, current, size = [], [], 0
     for p in params:
-        if current and size + p.numel() > bucket_numel:
+        nbytes = p.numel() * p.element_size()
+        if current and size + nbytes > cap_bytes:
             buckets.append(current)
             current, size = [], 0
         current.append(p)
-        size += p.numel()
+        size += nbytes
     return buckets + [current]

@@ -22,7 +22,7 @@ __all__ = ["apply_zero", "zero_full_state_dict", "zero_state_bytes", "n_flat_buf
 
 
 def apply_zero(model: nn.Module, stage: int, optimizer_class=torch.optim.AdamW, *, group=None,
-                param_dtype: torch.dtype | None = None, bucket_numel: int | None = None, **defaults):
+                param_dtype: torch.dtype | None = None, bucket_cap_mb: float | None = None, **defaults):
     """Apply ZeRO `stage` (1, 2, 3) to a course model (it has `.blocks`); return its optimizer.
 
     Stage 3 shards each block and then the root (fully_shard), and builds a plain torch optimizer
@@ -34,7 +34,7 @@ def apply_zero(model: nn.Module, stage: int, optimizer_class=torch.optim.AdamW, 
         fully_shard(model, group=group, param_dtype=param_dtype, output_dtype=torch.float32 if param_dtype else None)
         return optimizer_class(model.parameters(), **defaults)
     return ZeroOptimizer(model, optimizer_class, stage=stage, group=group, param_dtype=param_dtype,
-                         bucket_numel=bucket_numel, **defaults)
+                         bucket_cap_mb=bucket_cap_mb, **defaults)
 
 
 def zero_full_state_dict(model: nn.Module, optimizer) -> dict[str, torch.Tensor]:
