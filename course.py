@@ -7,14 +7,23 @@
                                   ARGS go to pytest, e.g. `-x`, `-k ring`, `-m "not slow"` (the fast tier),
                                   or paths to run only those
     python3 course.py labs [ARGS] regenerate labs/ from solutions/ (`python -m shardlib labs`)
+    python3 course.py lock        refresh course-lock.txt: install pyproject.toml's newest allowed versions
+                                  into a fresh environment and write down every version (instructors)
 
     --cpu-torch                   (with any command) install PyTorch's CPU-only build (about 200 MB)
                                   instead of the default CUDA build (several GB): for machines without an
                                   NVIDIA GPU. Needs https://download.pytorch.org/whl/cpu to be reachable.
+    --no-lock                     (with any command) install the newest versions pyproject.toml allows
+                                  instead of the ones course-lock.txt pins
+
+Versions: the set-up installs the versions course-lock.txt pins (pip's constraints file), so a class
+that installs on different days gets the same stack, the one the course was tested with. The lock
+was made with one Python minor version (its header says which); with another Python, or with
+--no-lock, pip picks the newest versions pyproject.toml allows, and says so.
 
 Set-up: creates the virtual environment .venv from pyproject.toml when it is missing, and
-reinstalls the project (`pip install -e .`) whenever pyproject.toml has changed since the last
-install (its hash is kept in .venv/course-stamp.txt). Extra arguments after `python3 course.py`
+reinstalls the project (`pip install -e .`) whenever pyproject.toml or course-lock.txt has changed
+since the last install (their hash is kept in .venv/course-stamp.txt). Extra arguments after `python3 course.py`
 (no command) go to `jupyter lab`, e.g. `--no-browser --port 8890`; run as root (as in many cloud
 containers), it passes `--allow-root` to JupyterLab and says so.
 """
@@ -37,6 +46,8 @@ MIN_PYTHON = (3, 10)
 MIN_PIP = (21, 3)  # first pip that installs a pyproject project in editable mode (PEP 660)
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's CPU-only wheels (pytorch.org/get-started)
 CPU_TORCH_FLAG = "--cpu-torch"
+NO_LOCK_FLAG = "--no-lock"
+LOCK = ROOT / "course-lock.txt"
 
 TEST_PATHS = ["tests", "notebooks"]  # solutions/ run in tests/test_labs.py, beside their stubs
 PYTEST_OPTIONS = [
@@ -64,7 +75,36 @@ def run(command: list, **kwargs) -> None:
 
 
 def pyproject_hash() -> str:
-    return hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    """The hash of what decides the installed versions: pyproject.toml and, when it is used, the lock."""
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes())
+    if LOCK.exists():
+        digest.update(LOCK.read_bytes())
+    return digest.hexdigest()
+
+
+def lock_python() -> str | None:
+    """The Python minor version the lock was made with ("3.11"), from its header; None without a lock."""
+    if not LOCK.exists():
+        return None
+    found = re.search(r"^# python (\d+\.\d+)", LOCK.read_text(encoding="utf-8"), re.M)
+    return found[1] if found else None
+
+
+def lock_options(use_lock: bool) -> list:
+    """pip's `-c course-lock.txt` when the lock applies to this Python, else nothing (and why)."""
+    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    made_with = lock_python()
+    if not use_lock:
+        say(f"{NO_LOCK_FLAG}: installing the newest versions pyproject.toml allows")
+        return []
+    if made_with is None:
+        say(f"no {LOCK.name}: installing the newest versions pyproject.toml allows")
+        return []
+    if made_with != here:
+        say(f"{LOCK.name} was made with Python {made_with}, this is {here}: installing the newest versions "
+            f"pyproject.toml allows (`python3 course.py lock` makes a lock for this Python)")
+        return []
+    return ["-c", LOCK.name]
 
 
 def pip_version(python: Path) -> tuple:
@@ -104,9 +144,10 @@ def no_nvidia_gpu() -> bool:
     return sys.platform.startswith("linux") and shutil.which("nvidia-smi") is None
 
 
-def ensure_environment(cpu_torch: bool = False) -> Path:
+def ensure_environment(cpu_torch: bool = False, use_lock: bool = True) -> Path:
     """Create .venv and install the project into it, unless that is already up to date.
-    cpu_torch: install PyTorch's CPU-only build first (and remember it in the stamp)."""
+    cpu_torch: install PyTorch's CPU-only build first (and remember it in the stamp).
+    use_lock: install the versions course-lock.txt pins (see lock_options)."""
     if sys.version_info < MIN_PYTHON:
         sys.exit(f"[course] this course needs Python {'.'.join(map(str, MIN_PYTHON))} or newer; "
                  f"this is {sys.version.split()[0]}. Run it with a newer python3.")
@@ -115,7 +156,7 @@ def ensure_environment(cpu_torch: bool = False) -> Path:
         create_venv()
     stamp = STAMP.read_text().split() if STAMP.exists() else []
     cpu_torch = cpu_torch or "cpu-torch" in stamp  # once chosen, reinstalls keep the CPU-only build
-    wanted = pyproject_hash() + (" cpu-torch" if cpu_torch else "")
+    wanted = pyproject_hash() + (" cpu-torch" if cpu_torch else "") + ("" if use_lock else " no-lock")
     if stamp == wanted.split():
         say(f"environment {VENV.relative_to(ROOT)} is up to date with pyproject.toml")
         return python
@@ -125,10 +166,11 @@ def ensure_environment(cpu_torch: bool = False) -> Path:
             "(about 200 MB) instead of the CUDA build (several GB)")
     if pip_version(python) < MIN_PIP:
         run([python, "-m", "pip", "install", "--upgrade", "pip"])
+    constraints = lock_options(use_lock)
     if cpu_torch:
         say(f"installing PyTorch's CPU-only build from {CPU_TORCH_INDEX}")
-        run(cpu_torch_command(python))
-    run([python, "-m", "pip", "install", "-e", "."])
+        run(cpu_torch_command(python) + constraints)
+    run([python, "-m", "pip", "install", "-e", ".", *constraints])
     STAMP.write_text(wanted + "\n")
     say("installation done")
     return python
@@ -192,6 +234,26 @@ def run_tests(python: Path, extra: list) -> int:
     return call([python, "-m", "pytest", *paths, *PYTEST_OPTIONS, *extra], env=env)
 
 
+def refresh_lock() -> int:
+    """Install the project, unconstrained, into a fresh environment and write down every version."""
+    import platform
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="course-lock-") as folder:
+        python = Path(folder) / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+        run([sys.executable, "-m", "venv", folder])
+        run([python, "-m", "pip", "install", "--upgrade", "pip"])
+        run([python, "-m", "pip", "install", "."])
+        frozen = subprocess.run([str(python), "-m", "pip", "freeze", "--exclude", "shardlib"], check=True,
+                                capture_output=True, text=True, cwd=ROOT).stdout
+    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    LOCK.write_text(f"# The versions the course is tested with: pip's constraints file, used by `python3 course.py`.\n"
+                    f"# Made by `python3 course.py lock` from pyproject.toml's requirements.\n"
+                    f"# python {here} ({platform.system()} {platform.machine()})\n" + frozen, encoding="utf-8")
+    say(f"wrote {LOCK.name}: {sum(1 for line in frozen.splitlines() if '==' in line)} pinned packages, Python {here}")
+    return 0
+
+
 def call(command: list, **kwargs) -> int:
     say("$ " + " ".join(str(part) for part in command))
     try:
@@ -204,15 +266,21 @@ def main(argv: list) -> int:
     if argv[:1] in (["help"], ["-h"], ["--help"]):
         print(__doc__)
         return 0
-    cpu_torch = CPU_TORCH_FLAG in argv
-    argv = [arg for arg in argv if arg != CPU_TORCH_FLAG]
+    cpu_torch, use_lock = CPU_TORCH_FLAG in argv, NO_LOCK_FLAG not in argv
+    argv = [arg for arg in argv if arg not in (CPU_TORCH_FLAG, NO_LOCK_FLAG)]
     command, extra = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else ("lab", argv)
-    if command not in ("lab", "test", "labs"):
+    if command not in ("lab", "test", "labs", "lock"):
         print(__doc__)
-        say(f"unknown command {command!r}: use no command, `test` or `labs`")
+        say(f"unknown command {command!r}: use no command, `test`, `labs` or `lock`")
         return 2
+    if command == "lock":
+        try:
+            return refresh_lock()
+        except subprocess.CalledProcessError as error:
+            say(f"the lock was not refreshed: a step failed (exit code {error.returncode}); the output above says why")
+            return 1
     try:
-        python = ensure_environment(cpu_torch=cpu_torch)
+        python = ensure_environment(cpu_torch=cpu_torch, use_lock=use_lock)
     except subprocess.CalledProcessError as error:
         say(f"set-up failed (exit code {error.returncode}); the output above says why. "
             "Fix it and run this command again: the set-up resumes where it stopped.")

@@ -33,6 +33,7 @@ def course(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(module, "ROOT", tmp_path)
     monkeypatch.setattr(module, "VENV", tmp_path / ".venv")
     monkeypatch.setattr(module, "STAMP", tmp_path / ".venv" / "course-stamp.txt")
+    monkeypatch.setattr(module, "LOCK", tmp_path / "course-lock.txt")  # none unless a test writes one
     module.commands = []
 
     def run(command, **kwargs):
@@ -150,7 +151,8 @@ def test_default_setup_never_reaches_the_cpu_index(course):
 def test_cpu_torch_flag_is_not_passed_to_jupyter(monkeypatch):
     course = load_course()
     seen = {}
-    monkeypatch.setattr(course, "ensure_environment", lambda cpu_torch=False: seen.setdefault("cpu", cpu_torch) and Path("py"))
+    monkeypatch.setattr(course, "ensure_environment",
+                        lambda cpu_torch=False, use_lock=True: seen.setdefault("cpu", cpu_torch) and Path("py"))
     monkeypatch.setattr(course, "open_course", lambda python, extra: seen.setdefault("extra", extra) and 0)
     course.main(["--cpu-torch", "--no-browser"])
     assert seen == {"cpu": True, "extra": ["--no-browser"]}
@@ -174,3 +176,107 @@ def test_a_reinstall_keeps_the_cpu_build_once_chosen(course, tmp_path: Path):
     course.ensure_environment()  # pyproject changed, no flag given
     assert [c[4:7] for c in course.commands if "--index-url" in c] == [["torch>=2.7", "--index-url",
                                                                         "https://download.pytorch.org/whl/cpu"]]
+
+
+# ---------------------------------------------------------------------------------
+# the lock: the same versions for a whole class
+
+
+def this_python() -> str:
+    import sys
+
+    return f"{sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def write_lock(tmp_path: Path, python: str, pins: str = "torch==2.14.1\n") -> None:
+    (tmp_path / "course-lock.txt").write_text(f"# header\n# python {python} (Linux x86_64)\n{pins}")
+
+
+def test_the_setup_installs_the_locked_versions(course, tmp_path: Path):
+    write_lock(tmp_path, this_python())
+    course.ensure_environment()
+    assert course.commands[-1][1:] == ["-m", "pip", "install", "-e", ".", "-c", "course-lock.txt"]
+
+
+def test_a_changed_lock_reinstalls_and_no_lock_installs_the_newest(course, tmp_path: Path, capsys):
+    write_lock(tmp_path, this_python())
+    course.ensure_environment()
+    course.commands.clear()
+    course.ensure_environment()
+    assert course.commands == [], "nothing changed, yet the set-up reinstalled"
+    write_lock(tmp_path, this_python(), "torch==2.14.1\nnumpy==2.4.6\n")
+    course.ensure_environment()
+    assert course.commands[-1][-2:] == ["-c", "course-lock.txt"], "a new lock did not reinstall"
+    course.commands.clear()
+    course.ensure_environment(use_lock=False)
+    assert course.commands[-1][1:] == ["-m", "pip", "install", "-e", "."]
+    assert "--no-lock" in capsys.readouterr().out
+
+
+def test_a_lock_made_with_another_python_is_not_applied_and_that_is_said(course, tmp_path: Path, capsys):
+    write_lock(tmp_path, "2.7")
+    course.ensure_environment()
+    assert course.commands[-1][1:] == ["-m", "pip", "install", "-e", "."]
+    assert "made with Python 2.7" in capsys.readouterr().out
+
+
+def test_the_cpu_build_is_installed_within_the_lock_too(course, tmp_path: Path):
+    write_lock(tmp_path, this_python())
+    course.ensure_environment(cpu_torch=True)
+    cpu = next(c for c in course.commands if "--index-url" in c)
+    assert cpu[-2:] == ["-c", "course-lock.txt"], "the CPU build would ignore the locked torch version"
+
+
+def locked_versions() -> dict:
+    from packaging.requirements import Requirement
+
+    pins = {}
+    for line in (REPO_ROOT / "course-lock.txt").read_text(encoding="utf-8").splitlines():
+        if line and not line.startswith("#"):
+            requirement = Requirement(line)
+            pins[requirement.name.lower().replace("_", "-")] = next(iter(requirement.specifier)).version
+    return pins
+
+
+def test_the_committed_lock_pins_every_dependency_within_pyproject():
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    header = (REPO_ROOT / "course-lock.txt").read_text(encoding="utf-8").splitlines()[:5]
+    assert any(line.startswith("# python ") for line in header), "the lock must say which Python made it"
+    pins = locked_versions()
+    problems = []
+    for text in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]:
+        requirement = Requirement(text)
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        name = requirement.name.lower().replace("_", "-")
+        if name not in pins:
+            problems.append(f"{name} is not pinned")
+        elif not requirement.specifier.contains(pins[name], prereleases=True):
+            problems.append(f"{name}=={pins[name]} is outside pyproject's {requirement.specifier}")
+    assert not problems, f"course-lock.txt disagrees with pyproject.toml ({problems}): run `python3 course.py lock`"
+
+
+def test_this_environment_runs_the_locked_versions_of_the_direct_dependencies():
+    """What the suite runs on is what the lock pins (a set-up made with --no-lock or another Python is exempt)."""
+    import sys
+    import tomllib
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    stamp = Path(sys.prefix) / "course-stamp.txt"
+    if not stamp.exists() or "no-lock" in stamp.read_text() or f"# python {this_python()}" not in \
+            (REPO_ROOT / "course-lock.txt").read_text(encoding="utf-8"):
+        pytest.skip("this environment was not set up from the lock by course.py")
+    pins = locked_versions()
+    differ = []
+    for text in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]:
+        requirement = Requirement(text)
+        if requirement.marker is None or requirement.marker.evaluate():
+            name = requirement.name.lower().replace("_", "-")
+            if version(requirement.name).split("+")[0] != pins[name]:
+                differ.append(f"{name} {version(requirement.name)} (lock {pins[name]})")
+    assert not differ, f"installed versions differ from course-lock.txt: {differ}"

@@ -96,18 +96,19 @@ def _serve_on_rank(layout: str, config: GPTConfig, prompts: torch.Tensor, max_ne
 
 def serve(layout: str, world_size: int, config: GPTConfig, prompts: torch.Tensor, max_new_tokens: int,
           n_microbatches: int = 1, repeats: int = 1, reference: bool = True,
-          emulated: EmulatedDevice | None = None) -> dict:
-    """Generate `max_new_tokens` for every prompt with `layout` on `world_size` CPU ranks, and measure.
+          emulated: EmulatedDevice | None = None, device: str = "auto") -> dict:
+    """Generate `max_new_tokens` for every prompt with `layout` on `world_size` ranks, and measure.
 
     Returns ids (b, T0 + n); tokens_per_s (all requests' new tokens / wall time, first prefill to last
     token); latency_s (median time between two tokens of one request); first_token_s (prefill);
     decode_sent_bytes (per rank, bytes sent per decode step, from the ledger); decode_records (rank 0's
     ledger of decode steps, as (kind, bytes)); and, single layout with `reference`, reference: the ids of
     GPT.generate (no cache, the whole sequence recomputed per token: slow for big models).
-    repeats: warm-up runs before the measured one. emulated: see shardlib.inference.generate.EmulatedDevice."""
+    repeats: warm-up runs before the measured one. emulated: see shardlib.inference.generate.EmulatedDevice.
+    device: where the ranks run, as shardlib.launch's ("auto": GPUs when there are enough, else CPU)."""
     check_layout(layout, world_size, config, prompts, max_new_tokens, n_microbatches)
     per_rank = launch(_serve_on_rank, world_size, args=(layout, config, prompts, max_new_tokens, n_microbatches,
-                                                         repeats, reference, emulated), timeout=600)
+                                                         repeats, reference, emulated), timeout=600, device=device)
     gens = [r["generation"] for r in per_rank]
     if layout == "dp":
         ids = torch.cat([g.ids for g in gens])
@@ -155,7 +156,8 @@ SCALING = [("single", 1, 1), ("tp", 2, 1), ("tp", 4, 1), ("dp", 2, 1), ("dp", 4,
            ("pp", 2, 1), ("pp", 2, 2), ("pp", 4, 1), ("pp", 4, 4)]
 
 
-def sweep(workload: tuple, cases=SCALING, config: GPTConfig = BENCH_GPT, repeats: int = 1) -> list[dict]:
+def sweep(workload: tuple, cases=SCALING, config: GPTConfig = BENCH_GPT, repeats: int = 1,
+          device: str = "auto") -> list[dict]:
     """serve() for every (layout, N, m) of `cases` on one workload; each result gains `identical`:
     its ids equal GPT.generate's on one device."""
     _, emulated, n_requests, prompt_len, new_tokens = workload
@@ -163,7 +165,7 @@ def sweep(workload: tuple, cases=SCALING, config: GPTConfig = BENCH_GPT, repeats
     results, reference = [], None
     for layout, n, m in cases:
         result = serve(layout, n, config, prompts, new_tokens, m, repeats=repeats, reference=reference is None,
-                       emulated=emulated)
+                       emulated=emulated, device=device)
         reference = result.pop("reference", reference)
         results.append(result)
     for result in results:
