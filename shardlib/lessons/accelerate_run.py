@@ -177,7 +177,24 @@ def fsdp_plugin_on_cpu(world_size: int = 2) -> dict:
     return launch(_fsdp_on_rank, world_size, timeout=120)[0]
 
 
+def _leave_in_step() -> None:
+    """End a rank launched by `accelerate launch` without running C++ destructors.
+
+    At interpreter exit a rank that still holds DeepSpeed's engine and the gloo group can abort
+    ("terminate called without an active exception": a joinable thread destroyed), which fails the
+    whole launch although training finished. So: wait for every rank, then leave at once.
+    """
+    import torch.distributed as dist
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if dist.is_initialized():
+        dist.barrier()  # every rank is past its last collective
+    os._exit(0)
+
+
 if __name__ == "__main__":  # accelerate launch ... -m shardlib.lessons.accelerate_run [STEPS]
     result = train_with_accelerate(steps=int(sys.argv[1]) if len(sys.argv) > 1 else 3)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result), flush=True)
+    _leave_in_step()
