@@ -75,11 +75,16 @@ def run(command: list, **kwargs) -> None:
 
 
 def pyproject_hash() -> str:
-    """The hash of what decides the installed versions: pyproject.toml and, when it is used, the lock."""
+    """The hash of what decides the installed versions: pyproject.toml and the lock, when there is one."""
     digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes())
     if LOCK.exists():
         digest.update(LOCK.read_bytes())
     return digest.hexdigest()
+
+
+def this_python() -> str:
+    """This interpreter's minor version, as the lock's header writes it ("3.11")."""
+    return f"{sys.version_info[0]}.{sys.version_info[1]}"
 
 
 def lock_python() -> str | None:
@@ -92,8 +97,7 @@ def lock_python() -> str | None:
 
 def lock_options(use_lock: bool) -> list:
     """pip's `-c course-lock.txt` when the lock applies to this Python, else nothing (and why)."""
-    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    made_with = lock_python()
+    here, made_with = this_python(), lock_python()
     if not use_lock:
         say(f"{NO_LOCK_FLAG}: installing the newest versions pyproject.toml allows")
         return []
@@ -246,7 +250,7 @@ def refresh_lock() -> int:
         run([python, "-m", "pip", "install", "."])
         frozen = subprocess.run([str(python), "-m", "pip", "freeze", "--exclude", "shardlib"], check=True,
                                 capture_output=True, text=True, cwd=ROOT).stdout
-    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    here = this_python()
     LOCK.write_text(f"# The versions the course is tested with: pip's constraints file, used by `python3 course.py`.\n"
                     f"# Made by `python3 course.py lock` from pyproject.toml's requirements.\n"
                     f"# python {here} ({platform.system()} {platform.machine()})\n" + frozen, encoding="utf-8")

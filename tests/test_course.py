@@ -183,9 +183,7 @@ def test_a_reinstall_keeps_the_cpu_build_once_chosen(course, tmp_path: Path):
 
 
 def this_python() -> str:
-    import sys
-
-    return f"{sys.version_info[0]}.{sys.version_info[1]}"
+    return load_course().this_python()
 
 
 def write_lock(tmp_path: Path, python: str, pins: str = "torch==2.14.1\n") -> None:
@@ -238,20 +236,23 @@ def locked_versions() -> dict:
     return pins
 
 
-def test_the_committed_lock_pins_every_dependency_within_pyproject():
+def direct_dependencies() -> list:
+    """pyproject's requirements that apply to this Python, as (normalised name, Requirement)."""
     import tomllib
 
     from packaging.requirements import Requirement
 
+    requirements = [Requirement(text) for text in
+                    tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    return [(r.name.lower().replace("_", "-"), r) for r in requirements if r.marker is None or r.marker.evaluate()]
+
+
+def test_the_committed_lock_pins_every_dependency_within_pyproject():
     header = (REPO_ROOT / "course-lock.txt").read_text(encoding="utf-8").splitlines()[:5]
     assert any(line.startswith("# python ") for line in header), "the lock must say which Python made it"
     pins = locked_versions()
     problems = []
-    for text in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]:
-        requirement = Requirement(text)
-        if requirement.marker is not None and not requirement.marker.evaluate():
-            continue
-        name = requirement.name.lower().replace("_", "-")
+    for name, requirement in direct_dependencies():
         if name not in pins:
             problems.append(f"{name} is not pinned")
         elif not requirement.specifier.contains(pins[name], prereleases=True):
@@ -262,10 +263,7 @@ def test_the_committed_lock_pins_every_dependency_within_pyproject():
 def test_this_environment_runs_the_locked_versions_of_the_direct_dependencies():
     """What the suite runs on is what the lock pins (a set-up made with --no-lock or another Python is exempt)."""
     import sys
-    import tomllib
     from importlib.metadata import version
-
-    from packaging.requirements import Requirement
 
     stamp = Path(sys.prefix) / "course-stamp.txt"
     if not stamp.exists() or "no-lock" in stamp.read_text() or f"# python {this_python()}" not in \
@@ -273,10 +271,7 @@ def test_this_environment_runs_the_locked_versions_of_the_direct_dependencies():
         pytest.skip("this environment was not set up from the lock by course.py")
     pins = locked_versions()
     differ = []
-    for text in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]:
-        requirement = Requirement(text)
-        if requirement.marker is None or requirement.marker.evaluate():
-            name = requirement.name.lower().replace("_", "-")
-            if version(requirement.name).split("+")[0] != pins[name]:
-                differ.append(f"{name} {version(requirement.name)} (lock {pins[name]})")
+    for name, requirement in direct_dependencies():
+        if version(requirement.name).split("+")[0] != pins[name]:
+            differ.append(f"{name} {version(requirement.name)} (lock {pins[name]})")
     assert not differ, f"installed versions differ from course-lock.txt: {differ}"
