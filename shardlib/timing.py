@@ -7,17 +7,32 @@ two such numbers is what a benchmark reports (`python -m shardlib bench`), never
 
     interleaved_times({"ours": step_a, "torch": step_b}, repeats=15)   # median seconds of each
     interleaved_times(..., statistic=min, sync=dist.barrier)           # best time; ranks start together
+
+Every saved timing says how busy the machine was: a lesson prints `machine_load()` in the cell that
+times something ("load average 0.42 on 2 cores"), and a test holds each saved lesson to
+QUIET_LOAD_PER_CORE (tests/test_notebook_outputs.py). The 1-minute load average counts every runnable
+process, other programs and the lesson's own earlier ranks included.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable
 
 import torch
 
-__all__ = ["interleaved_times"]
+__all__ = ["interleaved_times", "machine_load", "QUIET_LOAD_PER_CORE"]
+
+# The most load per core at which saved timings count as taken on a quiet machine.
+QUIET_LOAD_PER_CORE = 1.25
+
+
+def machine_load() -> str:
+    """How busy this machine is now, in the words every lesson prints beside its timings:
+    "load average 0.42 on 2 cores" (the 1-minute load average; tests read this exact form)."""
+    return f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
 
 
 def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, *, warmup: int = 1,

@@ -105,3 +105,32 @@ def test_clean_outputs_pass():
              {"output_type": "display_data", "data": {"text/plain": "<Figure size 640x480 with 1 Axes>"}},
              stream("a ratio of 1/2 [exact] and a URL https://arxiv.org/abs/1910.02054\n")]
     assert cell_findings({"cell_type": "code", "outputs": clean}) == []
+
+
+# ---------------------------------------------------------------------------------
+# saved timings come from a quiet machine
+
+LOAD_LINE = re.compile(r"load average (\d+(?:\.\d+)?) on (\d+) cores")
+
+
+def saved_loads(path: Path) -> list[tuple[int, float, int]]:
+    """(cell, load average, cores) for every `shardlib.timing.machine_load()` line in a notebook's outputs."""
+    cells = json.loads(path.read_text(encoding="utf-8")).get("cells", [])
+    return [(i, float(load), int(cores)) for i, cell in enumerate(cells) for output in cell.get("outputs", [])
+            for load, cores in LOAD_LINE.findall(output_text(output))]
+
+
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
+def test_saved_timings_were_taken_on_a_quiet_machine(path):
+    from shardlib.timing import QUIET_LOAD_PER_CORE
+
+    busy = [f"cell {i}: load average {load} on {cores} cores (limit {QUIET_LOAD_PER_CORE * cores:.2f})"
+            for i, load, cores in saved_loads(path) if load > QUIET_LOAD_PER_CORE * cores]
+    assert not busy, (f"{path.name} saved timings taken on a busy machine: re-execute it with nothing else "
+                      "running (python -m shardlib.course.measure_course):\n  " + "\n  ".join(busy))
+
+
+def test_the_load_line_is_read_as_lessons_print_it():
+    from shardlib.timing import machine_load
+
+    assert LOAD_LINE.fullmatch(machine_load()), machine_load()
