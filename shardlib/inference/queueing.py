@@ -16,19 +16,31 @@ arrivals, a general service-time distribution, c servers).
     mean latency       E[S] + W_q + s / 2   (an arrival also waits on average half an iteration
                        for the current one to end before it can be admitted)
 
-Assumptions to keep in mind: Poisson arrivals; s constant (memory-bound, no KV-cache limit
-binding before the slots do); a replica set with random routing is d independent copies at
-lambda / d each (splitting a Poisson process gives Poisson processes). `predicted_knee`: the offered
-load at which mean latency reaches `factor` times its value with no queue; for an M/G/c it sits close
-to capacity when c is large (many slots absorb bursts: 91% of it at c = 8, 97% at c = 32 for a
-factor of 1.5 and the lesson's output lengths), further below it when c is small.
+Replicas. How d replicas of c slots each share one stream decides which queue they are:
+    router="random"    each request goes to a replica drawn at random on arrival (what
+                       shardlib.inference.under_load builds): d independent M/G/c queues, each fed
+                       lambda / d (splitting a Poisson process gives Poisson processes). Capacity
+                       d * c / E[S]; latency at lambda that of ONE replica at lambda / d.
+    router="central"   one queue in front of all replicas, each request handed to the first slot
+                       that frees anywhere: one M/G/(d * c) queue fed lambda. Same capacity, but a
+                       queue forms only when all d * c slots are busy, so latency stays low closer
+                       to capacity.
+
+Assumptions to keep in mind: Poisson arrivals; s constant (memory-bound, no KV-cache limit binding
+before the slots do). `predicted_knee`: the offered load at which mean latency reaches `factor` times
+its value with no queue; for an M/G/c it sits closer to capacity the more slots share one queue
+(for a factor of 1.5 and the lesson's output lengths: 91% of capacity at c = 8, 97% at c = 32). A
+random router over d replicas of 8 slots keeps one replica's 91%; a central queue over them reaches
+the 97% of 32 slots.
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["erlang_c", "mean_wait", "mean_latency", "capacity", "predicted_knee"]
+__all__ = ["ROUTERS", "erlang_c", "mean_wait", "mean_latency", "capacity", "predicted_knee"]
+
+ROUTERS = ("random", "central")
 
 
 def erlang_c(c: int, a: float) -> float:
@@ -51,22 +63,38 @@ def mean_wait(rate: float, c: int, mean_service: float, scv: float) -> float:
     return (1 + scv) / 2 * erlang_c(c, a) * mean_service / (c - a)
 
 
-def mean_latency(rate: float, c: int, step_s: float, mean_tokens: float, var_tokens: float) -> float:
-    """Mean end-to-end latency of requests of n tokens (mean, variance) on c slots of iterations of step_s."""
+def _queue(rate: float, c: int, replicas: int, router: str) -> tuple[float, int]:
+    """(arrival rate, slots) of the one M/G/c queue a request joins (see Replicas above)."""
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    return (rate / replicas, c) if router == "random" else (rate, c * replicas)
+
+
+def mean_latency(rate: float, c: int, step_s: float, mean_tokens: float, var_tokens: float, *,
+                 replicas: int = 1, router: str = "random") -> float:
+    """Mean end-to-end latency of requests of n tokens (mean, variance) at `rate` requests/s on `replicas`
+    servers of c slots each, iterations of step_s, shared through `router` ("random" or "central")."""
+    rate, c = _queue(rate, c, replicas, router)
     mean_service = mean_tokens * step_s
     return mean_service + mean_wait(rate, c, mean_service, var_tokens / mean_tokens ** 2) + step_s / 2
 
 
-def capacity(c: int, step_s: float, mean_tokens: float) -> float:
-    """Requests per second the slots can serve: c / E[S]."""
-    return c / (mean_tokens * step_s)
+def capacity(c: int, step_s: float, mean_tokens: float, *, replicas: int = 1) -> float:
+    """Requests per second `replicas` servers of c slots can serve: replicas * c / E[S] (either router)."""
+    return replicas * c / (mean_tokens * step_s)
 
 
-def predicted_knee(c: int, step_s: float, mean_tokens: float, var_tokens: float, factor: float = 2.0) -> float:
+def predicted_knee(c: int, step_s: float, mean_tokens: float, var_tokens: float, factor: float = 2.0, *,
+                   replicas: int = 1, router: str = "random") -> float:
     """The offered load at which `mean_latency` reaches `factor` times its no-queue value (bisection)."""
-    target = factor * mean_latency(0.0, c, step_s, mean_tokens, var_tokens)
-    low, high = 0.0, capacity(c, step_s, mean_tokens)
+    def latency(rate):
+        return mean_latency(rate, c, step_s, mean_tokens, var_tokens, replicas=replicas, router=router)
+
+    target = factor * latency(0.0)
+    low, high = 0.0, capacity(c, step_s, mean_tokens, replicas=replicas)
     for _ in range(60):
         mid = (low + high) / 2
-        low, high = (mid, high) if mean_latency(mid, c, step_s, mean_tokens, var_tokens) < target else (low, mid)
+        low, high = (mid, high) if latency(mid) < target else (low, mid)
     return low
