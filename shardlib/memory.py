@@ -239,7 +239,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _storage_key(t: torch.Tensor):
-    s = t.untyped_storage()
+    s = _local(t).untyped_storage()  # a DTensor: its local shard
     return (t.device, s.data_ptr()), s.nbytes()
 
 
