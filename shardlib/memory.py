@@ -29,8 +29,10 @@ Communication per rank and step, ring collectives (ZeRO paper, Section 7):
     stage 3:        3 (N-1)/N Psi elements (all-gather forward, all-gather backward, reduce-scatter)
 
 Activations saved for backward, one transformer layer, 16-bit, no recomputation
-(Korthikanti et al., arXiv 2205.05198, Section 4.1):
-    s b h (34 + 5 a s / h)  bytes;  selective recomputation: 34 s b h;  full recomputation: 2 s b h.
+(Korthikanti et al., arXiv 2205.05198, Sections 4.1, 4.2):
+    s b h (34 + 5 a s / h)  bytes;  selective recomputation: 34 s b h;  full recomputation: 2 s b h;
+    t-way tensor parallel s b h (10 + 24/t + 5 a s/(h t)), with sequence parallelism s b h/t (34 + 5 a s/h).
+What the course GPT's block keeps, term by term against the paper's: course_gpt_activation_terms.
 """
 
 from __future__ import annotations
@@ -210,22 +212,83 @@ def offloaded_model_state_bytes(n_params: float, world_size: int, stage: int, re
 # activations
 
 
-def activation_bytes_per_layer(seq_len: int, batch: int, hidden: int, heads: int, recompute=None) -> int:
-    """Bytes one transformer layer keeps for backward, 16-bit (Korthikanti et al., arXiv 2205.05198).
+def activation_bytes_per_layer(seq_len: int, batch: int, hidden: int, heads: int, recompute=None, *,
+                               tp: int = 1, sequence_parallel: bool = False) -> float:
+    """Bytes one transformer layer keeps for backward on one GPU, 16-bit (Korthikanti et al.,
+    arXiv 2205.05198, sections 4.1, 4.2 and 5, Table 2), t = tp:
 
-    recompute=None:        s b h (34 + 5 a s / h)  = 34 sbh + 5 a s^2 b   (Section 4.1)
-    recompute="selective": 34 s b h   (attention core recomputed, Section 5)
-    recompute="full":      2 s b h    (only the layer input kept, Section 5)
-    The 34 counts 16-bit tensors (2 bytes) and dropout masks (1 byte) of a GPT-2 style layer.
+    recompute=None         s b h (34 + 5 a s / h) = 34 sbh + 5 a s^2 b   (t = 1)
+                           s b h (10 + 24 / t + 5 a s / (h t))          tensor parallel
+                           s b h / t (34 + 5 a s / h)                   tensor + sequence parallel
+    recompute="selective"  the same without the 5 a s^2 b term (attention core recomputed)
+    recompute="full"       2 s b h, or 2 s b h / t under sequence parallelism (the layer input)
+    The 34 counts 16-bit tensors (2 bytes) and dropout masks (1 byte) of a GPT-2 style layer; the 10
+    of them outside the tensor-parallel regions are divided by t only with sequence parallelism.
+    What the course GPT itself keeps, term by term: course_gpt_activation_terms.
     """
-    s, b, h, a = seq_len, batch, hidden, heads
-    if recompute is None:
-        return 34 * s * b * h + 5 * a * s * s * b
-    if recompute == "selective":
-        return 34 * s * b * h
+    if recompute not in (None, "selective", "full"):
+        raise ValueError(f"recompute must be None, 'selective' or 'full', got {recompute!r}")
+    _check_world_size(tp)
+    s, b, h, a, t = seq_len, batch, hidden, heads, tp
+    scores = 5 * a * s * s * b if recompute is None else 0
     if recompute == "full":
-        return 2 * s * b * h
-    raise ValueError(f"recompute must be None, 'selective' or 'full', got {recompute!r}")
+        return _exact(2 * s * b * h, t if sequence_parallel else 1)
+    if sequence_parallel:
+        return _exact(34 * s * b * h + scores, t)
+    return 10 * s * b * h + _exact(24 * s * b * h + scores, t)
+
+
+def _exact(bytes_: int, t: int):
+    """bytes_ / t, an int when t divides it."""
+    return bytes_ // t if bytes_ % t == 0 else bytes_ / t
+
+
+def course_gpt_activation_terms(seq_len: int, batch: int, hidden: int, heads: int, recompute=None, *,
+                                tp: int = 1, sequence_parallel: bool = False, keep_gathered_input: bool = False,
+                                element_size: int = 2) -> list[dict]:
+    """What one block of the course GPT (shardlib.models.Block, split by shardlib/parallel/tensor_gpt.py)
+    keeps for backward on one rank, term by term beside the paper's (activation_bytes_per_layer):
+    [{"term", "paper", "course"}] in bytes. Activations of `element_size` bytes (2: bf16/fp16), dropout 0,
+    multi-head attention through scaled_dot_product_attention, recompute None or "selective", as PyTorch's
+    CPU kernels keep them (on CUDA the LayerNorm statistics are fp32 and each attention kernel keeps its
+    own bookkeeping: not modelled here).
+
+    The paper's 34 s b h + 5 a s^2 b and the course GPT's differ in four named places: the course GPT has
+    no dropout after attention and after the MLP (the paper's 2 s b h of masks); its fused attention keeps
+    no s x s tensor (the paper's softmax output, dropout mask and dropout output, 5 a s^2 b) but a
+    log-sum-exp per query and head, in fp32; and each LayerNorm keeps its mean and 1/std per token
+    (in the activations' dtype), which the paper leaves out.
+    """
+    if recompute not in (None, "selective"):
+        raise ValueError(f"recompute must be None or 'selective' for the course GPT's terms, got {recompute!r}")
+    if keep_gathered_input and not sequence_parallel:
+        raise ValueError("keep_gathered_input=True chooses what sequence parallelism keeps: use sequence_parallel=True")
+    s, b, h, a, t, e = seq_len, batch, hidden, heads, tp, element_size
+    sbh, selective = s * b * h, recompute == "selective"
+    out = t if sequence_parallel else 1  # the tensors between the tensor-parallel regions
+    column_input = 1 if keep_gathered_input else out  # what the column layers keep of their gathered input
+    rows = [  # (term, paper 16-bit bytes, course bytes) before the split
+        ("LayerNorm inputs (2)", 4 * sbh / out, 2 * e * sbh / out),
+        ("q/k/v projection input (LayerNorm 1 output)", 2 * sbh / out, e * sbh / column_input),
+        ("Q and K", 4 * sbh / t, 2 * e * sbh / t),
+        ("V", 2 * sbh / t, e * sbh / t),
+        ("softmax output", 0 if selective else 2 * a * s * s * b / t, 0),
+        ("softmax dropout mask", 0 if selective else a * s * s * b / t, 0),
+        ("softmax dropout output", 0 if selective else 2 * a * s * s * b / t, 0),
+        ("output projection input", 2 * sbh / t, e * sbh / t),
+        ("dropout mask after attention", sbh / out, 0),
+        ("fc input (LayerNorm 2 output)", 2 * sbh / out, e * sbh / column_input),
+        ("GeLU input", 8 * sbh / t, 4 * e * sbh / t),
+        ("GeLU output (proj input)", 8 * sbh / t, 4 * e * sbh / t),
+        ("dropout mask after the MLP", sbh / out, 0),
+        ("LayerNorm mean and 1/std (2 x 2 per token)", 0, 4 * s * b * e / out),
+        ("attention log-sum-exp (fp32, per query and head)", 0, 0 if selective else a * s * b * max(e, 4) / t),
+    ]
+    return [{"term": term, "paper": _whole(paper), "course": _whole(course)} for term, paper, course in rows]
+
+
+def _whole(x: float):
+    return int(x) if float(x).is_integer() else x
 
 
 # ---------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ def test_bad_world_size_names_the_sizes_before_launching(no_launch, capsys):
     assert cli(["verify", "--technique", "ddp", "--technique", "tp", "--world-size", "5"]) == 2
     err = capsys.readouterr().err
     assert "use a world size in (1, 2, 3, 4, 6, 12), not 5" in err  # ddp's global batch of 12
-    assert "n_head=4 is not divisible by the tensor-parallel size t=5" in err
+    assert "n_head=12 is not divisible by the tensor-parallel size t=5" in err
     assert cli(["verify", "--technique", "pp-1f1b", "--world-size", "8"]) == 2
     assert "cannot cut 4 transformer blocks into 8 stages" in capsys.readouterr().err
 

@@ -29,11 +29,9 @@ Communication per transformer layer (b batch, s sequence, h hidden), per rank:
 each costing 2(t-1)/t * b*s*h * bytes on a ring. The vocabulary-parallel embedding adds
 one b*s*h all-reduce forward, the output head's f one backward, the loss three of b*s forward.
 
-Sequence parallelism cuts the sequence dimension outside the column->row pairs: g becomes a
-reduce-scatter (B, T, C) -> (B, T/t, C) and f an all-gather (B, T/t, C) -> (B, T, C). An
-all-reduce is a reduce-scatter plus an all-gather, so the bytes are the same, but LayerNorm,
-dropout and the residual now hold 1/t of their activations. Weights that see only a
-sequence shard (LayerNorm, row biases, position embedding) need their gradients summed.
+Sequence parallelism (arXiv 2205.05198, section 4.2.2) replaces f and g outside the pairs by an
+all-gather and a reduce-scatter of the sequence: its operators, memory and traffic are in
+shardlib/parallel/sequence.py; the layers here take `sequence_parallel=True` to use them.
 """
 
 from __future__ import annotations
@@ -46,9 +44,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardlib.comm import ops
-
-SEQUENCE_DIM = 1  # activations are (B, T, C): sequence parallelism cuts T
-
+from shardlib.parallel.sequence import (
+    GatherFromSequenceParallelRegion,
+    GatherSequenceIntoLinears,
+    ReduceScatterToSequenceParallelRegion,
+    all_gather_along,
+)
 
 def rank_and_size(group=None) -> tuple[int, int]:
     """(this rank's index in the tensor-parallel group, t)."""
@@ -75,27 +76,6 @@ def all_reduce_copy(x: torch.Tensor, op=dist.ReduceOp.SUM, *, group=None) -> tor
     return x
 
 
-def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Concatenate every rank's x along `dim`: (.., n, ..) -> (.., t*n, ..)."""
-    t = dist.get_world_size(group)
-    if t == 1:
-        return x
-    flat = torch.empty(t * x.numel(), dtype=x.dtype, device=x.device)  # (t * numel,)
-    ops.all_gather_into_tensor(flat, x.reshape(-1), group=group)
-    return torch.cat(flat.view(t, *x.shape).unbind(0), dim=dim)  # (t, *x.shape) joined along dim
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Sum x over ranks and keep this rank's 1/t along `dim`: (.., n, ..) -> (.., n/t, ..)."""
-    t = dist.get_world_size(group)
-    if t == 1:
-        return x
-    stacked = torch.stack(x.chunk(t, dim=dim))  # (t, *shard shape): rank r's share is stacked[r]
-    shard = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
-    ops.reduce_scatter_tensor(shard.view(-1), stacked.view(-1), group=group)  # flat: (t * shard numel,) -> (shard numel,)
-    return shard
-
-
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """This rank's 1/t of x along `dim` (no communication)."""
     rank, t = rank_and_size(group)
@@ -103,7 +83,7 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------
-# f, g and their sequence-parallel counterparts, as autograd functions
+# f and g, as autograd functions
 
 
 class CopyToTensorParallelRegion(torch.autograd.Function):
@@ -137,37 +117,11 @@ class GatherFromTensorParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather(x, -1, group)  # (B, T, out/t) -> (B, T, out)
+        return all_gather_along(x, -1, group=group)  # (B, T, out/t) -> (B, T, out)
 
     @staticmethod
     def backward(ctx, grad):
         return _split(grad, -1, ctx.group), None  # (B, T, out) -> (B, T, out/t)
-
-
-class GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """f under sequence parallelism: all-gather T forward, reduce-scatter T backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, SEQUENCE_DIM, group)  # (B, T/t, C) -> (B, T, C)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, SEQUENCE_DIM, ctx.group), None  # (B, T, C) -> (B, T/t, C)
-
-
-class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """g under sequence parallelism: reduce-scatter T forward, all-gather T backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, SEQUENCE_DIM, group)  # (B, T, C) partial -> (B, T/t, C)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, SEQUENCE_DIM, ctx.group), None  # (B, T/t, C) -> (B, T, C)
 
 
 def enter_tp_region(x: torch.Tensor, *, group=None, sequence_parallel: bool = False) -> torch.Tensor:
@@ -182,6 +136,18 @@ def exit_tp_region(x: torch.Tensor, *, group=None, sequence_parallel: bool = Fal
     if sequence_parallel:
         return ReduceScatterToSequenceParallelRegion.apply(x, group)
     return ReduceFromTensorParallelRegion.apply(x, group)
+
+
+def column_parallel_linears(x: torch.Tensor, layers, *, group=None, sequence_parallel: bool = False,
+                            keep_gathered_input: bool = False) -> tuple[torch.Tensor, ...]:
+    """The outputs of column-parallel `layers` that read one input, entered once: f (one all-reduce
+    backward for all of them), or under sequence parallelism one all-gather of x (B, T/t, C), whose
+    shard is what backward keeps (GatherSequenceIntoLinears). Each output (B, T, out_j/t)."""
+    if not sequence_parallel:
+        x = enter_tp_region(x, group=group)  # (B, T, C)
+        return tuple(F.linear(x, layer.weight, layer.bias) for layer in layers)
+    params = [p for layer in layers for p in (layer.weight, layer.bias)]
+    return GatherSequenceIntoLinears.apply(x, group, keep_gathered_input, *params)
 
 
 # ---------------------------------------------------------------------------------
@@ -199,24 +165,29 @@ def shard_parameter(shape: tuple[int, ...], partition_dim: int | None) -> nn.Par
 class ColumnParallelLinear(nn.Module):
     """nn.Linear(in, out) with its output features split: rank i holds weight rows
     [i*out/t, (i+1)*out/t). Input (B, T, in) replicated -> output (B, T, out/t),
-    or (B, T, out) with gather_output. `copy_input=False` when the caller applied f already
-    (several column layers reading one input need a single all-reduce backward)."""
+    or (B, T, out) with gather_output; under sequence parallelism the input is (B, T/t, in), gathered
+    (and kept as that shard for backward unless keep_gathered_input). `copy_input=False`: a plain
+    linear of the input as given (several layers reading one input: see column_parallel_linears)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
-                 gather_output: bool = False, sequence_parallel: bool = False, copy_input: bool = True):
+                 gather_output: bool = False, sequence_parallel: bool = False, copy_input: bool = True,
+                 keep_gathered_input: bool = False):
         super().__init__()
         _, t = rank_and_size(group)
         check_divisible(out_features, t, "out_features")
         self.in_features, self.out_features, self.group = in_features, out_features, group
         self.gather_output, self.sequence_parallel, self.copy_input = gather_output, sequence_parallel, copy_input
+        self.keep_gathered_input = keep_gathered_input
         self.weight = shard_parameter((out_features // t, in_features), partition_dim=0)
         self.bias = shard_parameter((out_features // t,), partition_dim=0) if bias else None
         _reset_like_linear(self.weight, self.bias, fan_in=in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
-            x = enter_tp_region(x, group=self.group, sequence_parallel=self.sequence_parallel)  # (B, T, in)
-        y = F.linear(x, self.weight, self.bias)  # (B, T, out/t)
+            (y,) = column_parallel_linears(x, (self,), group=self.group, sequence_parallel=self.sequence_parallel,
+                                           keep_gathered_input=self.keep_gathered_input)  # (B, T, out/t)
+        else:
+            y = F.linear(x, self.weight, self.bias)  # (B, T, out/t)
         return GatherFromTensorParallelRegion.apply(y, self.group) if self.gather_output else y
 
     @classmethod
@@ -295,5 +266,5 @@ def gather_full_state_dict(module: nn.Module, *, group=None, grads: bool = False
             continue
         tensor = (param.grad if param.grad is not None else torch.zeros_like(param)) if grads else param.detach()
         dim = getattr(param, "partition_dim", None)
-        full[name] = tensor.clone() if dim is None or t == 1 else _all_gather(tensor, dim, group)
+        full[name] = tensor.clone() if dim is None or t == 1 else all_gather_along(tensor, dim, group=group)
     return full

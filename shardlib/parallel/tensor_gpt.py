@@ -21,6 +21,13 @@ Per rank memory, Psi = V*h + T*h + L*(12h^2 + 12h) + 2h + h*V parameters:
 2 all-reduces of b*s*h forward and 2 backward per transformer layer; the embedding adds one
 of b*s*h forward, the loss three of b*s (max, target logit, sum of exponentials).
 
+Sequence parallelism (`sequence_parallel=True`, shardlib/parallel/sequence.py) cuts the sequence between
+the pairs; a sequence that t does not divide is padded at its end with T' - T = -T mod t tokens: causal
+attention keeps them out of every real token's output, and the loss leaves them out, so their
+gradients are exactly zero. `keep_gathered_input=True` keeps the column layers' gathered inputs for
+backward instead of gathering them again; `recompute="selective"` recomputes the attention core in
+backward (arXiv 2205.05198, section 5): what each keeps is shardlib.memory.course_gpt_activation_terms.
+
 `parallelize_gpt(model, group=group)` turns a full GPT (or its state dict) into this form;
 `gather_full_state_dict(model, group=group)` (shardlib/parallel/tensor.py) gives the full state dict back,
 with the same names as the single-device GPT.
@@ -35,20 +42,23 @@ import torch.nn.functional as F
 
 from shardlib.comm import ops
 from shardlib.models import GPT, GPTConfig, repeat_kv
+from shardlib.parallel.recompute import recompute as recompute_in_backward
 from shardlib.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     all_reduce_copy,
     check_divisible,
-    enter_tp_region,
+    column_parallel_linears,
     exit_tp_region,
     load_shards,
     rank_and_size,
     shard_parameter,
 )
 
+RECOMPUTE_MODES = (None, "selective")
 
-def check_tp_config(config: GPTConfig, t: int, sequence_parallel: bool = False, seq_len: int | None = None) -> None:
+
+def check_tp_config(config: GPTConfig, t: int) -> None:
     """Raise a ValueError naming what to change when the GPT cannot be split t ways."""
     if t < 1:
         raise ValueError(f"tensor-parallel size must be >= 1, got {t}")
@@ -58,8 +68,17 @@ def check_tp_config(config: GPTConfig, t: int, sequence_parallel: bool = False, 
                          f"divide n_kv_head (heads split) or be a multiple of it (heads replicated)")
     check_divisible(4 * config.n_embd, t, "MLP hidden size 4*n_embd")
     check_divisible(config.vocab_size, t, "vocab_size")
-    if sequence_parallel:
-        check_divisible(seq_len or config.seq_len, t, "sequence length (sequence parallelism)")
+
+
+def check_layer_options(sequence_parallel: bool, keep_gathered_input: bool, recompute) -> None:
+    """Raise a ValueError naming what to change when the options do not go together."""
+    if keep_gathered_input and not sequence_parallel:
+        raise ValueError("keep_gathered_input=True chooses what sequence parallelism keeps for backward: "
+                         "use it with sequence_parallel=True")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES} for the tensor-parallel GPT, got {recompute!r} "
+                         f"(full recomputation of a block would repeat its collectives; the single-device GPT has it: "
+                         f"shardlib.parallel.recompute.apply_recompute)")
 
 
 # ---------------------------------------------------------------------------------
@@ -144,10 +163,12 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
 class ParallelMLP(nn.Module):
     """Megatron MLP: f -> column fc -> GELU -> row proj -> g. (B, T, C) -> (B, T, C)."""
 
-    def __init__(self, config: GPTConfig, *, group=None, sequence_parallel: bool = False):
+    def __init__(self, config: GPTConfig, *, group=None, sequence_parallel: bool = False,
+                 keep_gathered_input: bool = False):
         super().__init__()
         h = config.n_embd
-        self.fc = ColumnParallelLinear(h, 4 * h, group=group, sequence_parallel=sequence_parallel)
+        self.fc = ColumnParallelLinear(h, 4 * h, group=group, sequence_parallel=sequence_parallel,
+                                       keep_gathered_input=keep_gathered_input)
         self.proj = RowParallelLinear(4 * h, h, group=group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C), or (B, T/t, C) under SP
@@ -156,12 +177,16 @@ class ParallelMLP(nn.Module):
 
 class ParallelSelfAttention(nn.Module):
     """Megatron attention: each rank owns n_head/t whole heads, so attention needs no
-    communication; o_proj (row-parallel) sums the heads' contributions."""
+    communication; o_proj (row-parallel) sums the heads' contributions. recompute="selective": the
+    attention core keeps only q, k, v and runs again in backward."""
 
-    def __init__(self, config: GPTConfig, *, group=None, sequence_parallel: bool = False):
+    def __init__(self, config: GPTConfig, *, group=None, sequence_parallel: bool = False,
+                 keep_gathered_input: bool = False, recompute: str | None = None):
         super().__init__()
+        check_layer_options(sequence_parallel, keep_gathered_input, recompute)
         h = config.n_embd
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.keep_gathered_input = group, sequence_parallel, keep_gathered_input
+        self.recompute = recompute
         self.head_dim, self.dropout = h // config.n_head, config.dropout
         # f is applied once for q, k and v (Megatron fuses them into one column-parallel
         # linear): one all-reduce backward, not three
@@ -173,30 +198,35 @@ class ParallelSelfAttention(nn.Module):
         self.o_proj = RowParallelLinear(h, h, group=group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C), or (B, T/t, C) under SP
-        x = enter_tp_region(x, group=self.group, sequence_parallel=self.sequence_parallel)  # (B, T, C)
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh/t, T, hd)
         if self.kv_replicas > 1 and torch.is_grad_enabled():
             raise ValueError("key/value heads replicated over ranks (n_kv_head < t) serve inference only: run under "
                              "torch.no_grad(), or train with t <= n_kv_head")
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv/t, T, hd), at least 1 head
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv/t, T, hd)
-        k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])  # (B, nh/t, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        # one f (or one all-gather of the sequence) for q, k and v: (B, T, C/t), (B, T, h_kv/t) x 2
+        q, k, v = column_parallel_linears(x, (self.q_proj, self.k_proj, self.v_proj), group=self.group,
+                                          sequence_parallel=self.sequence_parallel,
+                                          keep_gathered_input=self.keep_gathered_input)
+        B, T, _ = q.shape
+        q, k, v = (y.view(B, T, -1, self.head_dim).transpose(1, 2) for y in (q, k, v))  # (B, heads/t, T, hd)
+        y = recompute_in_backward(self.core, q, k, v) if self.recompute == "selective" else self.core(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C/t)
         return self.o_proj(y)  # (B, T, C), or (B, T/t, C) under SP
+
+    def core(self, q, k, v):  # (B, nh/t, T, hd), (B, n_kv/t, T, hd) x 2 -> (B, nh/t, T, hd)
+        k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])  # (B, nh/t, T, hd)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
 
 
 class ParallelBlock(nn.Module):
     """A pre-LayerNorm block, as models.Block, with Megatron attention and MLP."""
 
-    def __init__(self, config: GPTConfig, *, group=None, sequence_parallel: bool = False):
+    def __init__(self, config: GPTConfig, *, group=None, sequence_parallel: bool = False,
+                 keep_gathered_input: bool = False, recompute: str | None = None):
         super().__init__()
+        options = dict(group=group, sequence_parallel=sequence_parallel, keep_gathered_input=keep_gathered_input)
         self.ln_1 = nn.LayerNorm(config.n_embd)
-        self.attn = ParallelSelfAttention(config, group=group, sequence_parallel=sequence_parallel)
+        self.attn = ParallelSelfAttention(config, recompute=recompute, **options)
         self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = ParallelMLP(config, group=group, sequence_parallel=sequence_parallel)
+        self.mlp = ParallelMLP(config, **options)
         if sequence_parallel:
             _mark_sequence_parallel(self.ln_1, self.ln_2)
 
@@ -207,19 +237,23 @@ class ParallelBlock(nn.Module):
 
 class TensorParallelGPT(nn.Module):
     """models.GPT split over the ranks of `group`; parameter names are GPT's.
-    forward(idx (B, T), targets) -> this rank's logits (B, T, V/t) [, mean loss]."""
+    forward(idx (B, T), targets) -> this rank's logits (B, T, V/t) [, mean loss]. Options: see the module
+    docstring (sequence_parallel, keep_gathered_input, recompute)."""
 
-    def __init__(self, config: GPTConfig, *, group=None, sequence_parallel: bool = False):
+    def __init__(self, config: GPTConfig, *, group=None, sequence_parallel: bool = False,
+                 keep_gathered_input: bool = False, recompute: str | None = None):
         super().__init__()
-        check_tp_config(config, dist.get_world_size(group), sequence_parallel)
+        check_tp_config(config, dist.get_world_size(group))
+        check_layer_options(sequence_parallel, keep_gathered_input, recompute)
         self.config, self.group, self.sequence_parallel = config, group, sequence_parallel
-        h, sp = config.n_embd, sequence_parallel
+        h, sp, keep = config.n_embd, sequence_parallel, keep_gathered_input
         self.tok_emb = VocabParallelEmbedding(config.vocab_size, h, group=group, sequence_parallel=sp)
         self.pos_emb = nn.Embedding(config.seq_len, h)
-        self.blocks = nn.ModuleList(ParallelBlock(config, group=group, sequence_parallel=sp)
-                                    for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(ParallelBlock(config, group=group, sequence_parallel=sp, keep_gathered_input=keep,
+                                                  recompute=recompute) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(h)
-        self.lm_head = ColumnParallelLinear(h, config.vocab_size, bias=False, group=group, sequence_parallel=sp)
+        self.lm_head = ColumnParallelLinear(h, config.vocab_size, bias=False, group=group, sequence_parallel=sp,
+                                            keep_gathered_input=keep)
         if sequence_parallel:
             _mark_sequence_parallel(self.pos_emb, self.ln_f)
 
@@ -228,16 +262,17 @@ class TensorParallelGPT(nn.Module):
         rank, t = rank_and_size(self.group)
         if T > self.config.seq_len:
             raise ValueError(f"sequence of {T} tokens is longer than seq_len={self.config.seq_len}")
-        x = self.tok_emb(idx)  # (B, T, C), or (B, T/t, C) under SP
+        padded = T + (-T % t if self.sequence_parallel else 0)  # T': a multiple of t under SP
+        x = self.tok_emb(F.pad(idx, (0, padded - T)))  # (B, T, C), or (B, T'/t, C) under SP
         if self.sequence_parallel:
-            check_divisible(T, t, "sequence length (sequence parallelism)")
-            pos = torch.arange(rank * T // t, (rank + 1) * T // t, device=idx.device)  # (T/t,) my positions
+            mine = torch.arange(rank * padded // t, (rank + 1) * padded // t, device=idx.device)  # (T'/t,)
+            pos = mine.clamp(max=self.config.seq_len - 1)  # the padding's positions are never used
         else:
             pos = torch.arange(T, device=idx.device)  # (T,)
         x = x + self.pos_emb(pos)
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V/t)
+        logits = self.lm_head(self.ln_f(x))[:, :T]  # (B, T, V/t): the padding's rows dropped
         if targets is None:
             return logits
         return logits, vocab_parallel_cross_entropy(logits, targets, group=self.group)
@@ -250,8 +285,9 @@ def _mark_sequence_parallel(*modules: nn.Module) -> None:
 
 
 def parallelize_gpt(model_or_state_dict: GPT | dict, *, group=None, config: GPTConfig | None = None,
-                    sequence_parallel: bool = False) -> TensorParallelGPT:
-    """This rank's tensor-parallel shard of a full GPT (or of its state dict, with `config`)."""
+                    **options) -> TensorParallelGPT:
+    """This rank's tensor-parallel shard of a full GPT (or of its state dict, with `config`); options:
+    sequence_parallel, keep_gathered_input, recompute (TensorParallelGPT's)."""
     if isinstance(model_or_state_dict, GPT):
         config, state = model_or_state_dict.config, model_or_state_dict.state_dict()
     elif config is None:
@@ -259,7 +295,7 @@ def parallelize_gpt(model_or_state_dict: GPT | dict, *, group=None, config: GPTC
                          "the number of heads cannot be read from the weights")
     else:
         state = model_or_state_dict
-    model = TensorParallelGPT(config, group=group, sequence_parallel=sequence_parallel)
+    model = TensorParallelGPT(config, group=group, **options)
     model = model.to(state["tok_emb.weight"].dtype)
     load_shards(model, replicate_kv_heads(state, config, dist.get_world_size(group)), group=group)
     if isinstance(model_or_state_dict, GPT):  # frozen stays frozen
@@ -281,10 +317,9 @@ def sync_sequence_parallel_grads(model: nn.Module, *, group=None) -> None:
         grad.copy_(piece.view_as(grad))
 
 
-def parallelize_block(block: nn.Module, config: GPTConfig, *, group=None,
-                      sequence_parallel: bool = False) -> ParallelBlock:
-    """This rank's shard of one models.Block."""
-    parallel = ParallelBlock(config, group=group, sequence_parallel=sequence_parallel).to(block.ln_1.weight.dtype)
+def parallelize_block(block: nn.Module, config: GPTConfig, *, group=None, **options) -> ParallelBlock:
+    """This rank's shard of one models.Block; options: ParallelBlock's (sequence_parallel, ...)."""
+    parallel = ParallelBlock(config, group=group, **options).to(block.ln_1.weight.dtype)
     load_shards(parallel, replicate_kv_heads(block.state_dict(), config, dist.get_world_size(group)), group=group)
     return parallel
 
