@@ -165,7 +165,7 @@ def verify_tp(world_size: int, technique: str = "tp", steps: int = STEPS, device
 _BENCH_GPT = GPTConfig(seq_len=128, n_head=8, n_embd=256)
 
 
-def _torch_block(block: Block, sequence_parallel: bool):
+def torch_parallel_block(block: Block, sequence_parallel: bool):
     """The same block through torch.distributed.tensor.parallel: q, k, v, fc column-wise, o_proj and proj
     row-wise; with sequence parallelism (as torchtitan's plan does) the LayerNorms SequenceParallel, the
     attention and MLP inputs gathered by PrepareModuleInput, the row outputs reduce-scattered (Shard(1))."""
@@ -191,7 +191,7 @@ def _time_block_steps(batch_size: int, repeats: int, sequence_parallel: bool) ->
     torch.manual_seed(0)
     block = Block(_BENCH_GPT).to(current_device())
     ours = parallelize_block(block, _BENCH_GPT, sequence_parallel=sequence_parallel)
-    theirs = _torch_block(block, sequence_parallel)
+    theirs = torch_parallel_block(block, sequence_parallel)
     x = torch.randn(batch_size, _BENCH_GPT.seq_len, _BENCH_GPT.n_embd,
                     generator=torch.Generator().manual_seed(0)).to(current_device())  # (B, T, C)
     if sequence_parallel:
