@@ -1,4 +1,4 @@
-"""Command line: `python -m shardlib verify | bench | plan | labs | lessons | doctor | grade`."""
+"""Command line: `python -m shardlib verify | bench | trace | plan | labs | lessons | doctor | grade`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
         from shardlib.course.grade import main as grade_main
 
         return grade_main(argv[1:])
+    if argv[:1] == ["trace"]:  # trace has its own options (python -m shardlib trace --help)
+        from shardlib.profile.cli import main as trace_main
+
+        return trace_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m shardlib", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -50,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     lessons.add_argument("dir", help="the folder to write into (created if missing)")
     lessons.add_argument("--force", action="store_true", help="overwrite files that differ (someone's work)")
 
+    commands.add_parser("trace", help="one step of a technique under torch.profiler, every rank, merged (trace --help)")
     commands.add_parser("plan", help="rank dp/tp/pp/ZeRO layouts for a model on a cluster (plan --help)")
     commands.add_parser("doctor", help="versions, GPUs, and the device each lesson will use here (doctor --help)")
     commands.add_parser("grade", help="run a lab in a fresh kernel and score its checks (grade LAB.ipynb --help)")

@@ -52,6 +52,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.profiler import record_function
 
 from shardlib.comm import ops, ring_all_reduce
 
@@ -219,10 +220,12 @@ class DistributedDataParallel(nn.Module):
         bucket.buffer.div_(self.world_size)  # sum of g/N = the mean; divided first, as PyTorch does
         self._log("start", b)
         if self.ring:
-            ring_all_reduce(bucket.buffer, group=self.group)  # (numel,) summed in place, blocking
+            with record_function(f"bucket {b} all-reduce (ring)"):
+                ring_all_reduce(bucket.buffer, group=self.group)  # (numel,) summed in place, blocking
             self._log("done", b)
             return
-        bucket.handle = ops.all_reduce(bucket.buffer, group=self.group, async_op=True)  # (numel,) in place
+        with record_function(f"bucket {b} all-reduce"):  # the start; gloo's thread or NCCL's stream runs it
+            bucket.handle = ops.all_reduce(bucket.buffer, group=self.group, async_op=True)  # (numel,) in place
         if self.timeline is not None:
             bucket.handle.get_future().then(lambda _, b=b: self._log("done", b))
 
@@ -237,9 +240,10 @@ class DistributedDataParallel(nn.Module):
             raise RuntimeError(f"parameters {missing[:4]}{' ...' if len(missing) > 4 else ''} got no gradient "
                                "in this backward, so their buckets cannot be all-reduced; set "
                                "requires_grad=False on parameters the loss does not use, before wrapping")
-        for bucket in self.buckets:
+        for b, bucket in enumerate(self.buckets):
             if bucket.handle is not None:
-                bucket.handle.wait()
+                with record_function(f"wait for bucket {b}"):
+                    bucket.handle.wait()
             for param, offset in zip(bucket.params, bucket.offsets):
                 param.grad.copy_(bucket.buffer[offset: offset + param.numel()].view_as(param.grad))
         self._reset()

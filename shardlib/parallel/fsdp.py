@@ -53,6 +53,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
 from shardlib.comm import ops
@@ -127,8 +128,9 @@ class FSDPUnit:
         self.flat.untyped_storage().resize_(self.layout.padded_numel * self.flat.element_size())
         shard = self.shard.to(self.flat.dtype)  # (c,) bf16 copy in mixed precision, else itself
         issued = time.perf_counter()
-        # .data: refilling the storage must not look like an in-place change to the saved views
-        work = ops.all_gather_into_tensor(self.flat.data, shard, group=self.group, async_op=True)  # (c,) -> (N*c,)
+        with record_function(f"all-gather {self.name}{' (prefetch)' if async_op else ''}"):
+            # .data: refilling the storage must not look like an in-place change to the saved views
+            work = ops.all_gather_into_tensor(self.flat.data, shard, group=self.group, async_op=True)  # (c,) -> (N*c,)
         if self.gather_log is not None:
             entry = {"unit": self.name, "issued": issued, "done": None, "prefetch": async_op}
             self.gather_log.append(entry)
@@ -139,7 +141,8 @@ class FSDPUnit:
 
     def _wait(self) -> None:
         if self.pending is not None:
-            self.pending[0].wait()
+            with record_function(f"wait for all-gather {self.name}"):
+                self.pending[0].wait()
             self.pending = None
         self.gathered = True
 
@@ -189,7 +192,8 @@ class FSDPUnit:
     def _post_backward(self, flat: torch.Tensor) -> None:
         full_grad = flat.grad  # (N*c,) this rank's gradient of the whole unit
         grad = torch.empty(self.layout.shard_numel, dtype=full_grad.dtype, device=full_grad.device)  # (c,)
-        ops.reduce_scatter_tensor(grad, full_grad, group=self.group)  # (N*c,) -> (c,) summed over ranks
+        with record_function(f"reduce-scatter {self.name}"):
+            ops.reduce_scatter_tensor(grad, full_grad, group=self.group)  # (N*c,) -> (c,) summed over ranks
         flat.grad = None
         self.reshard()
         grad = grad.to(self.shard.dtype).div_(dist.get_world_size(self.group))

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from shardlib.comm import ops
 from shardlib.models import GPT
@@ -246,12 +247,13 @@ def _forward(run: _Run, i: int, c: int, x: torch.Tensor, target: torch.Tensor, d
         x = torch.empty(stage.activation_shape(x), dtype=next(stage.parameters()).dtype, device=device)  # (b/m, T, h)
         ops.recv(x, run.prev_rank, group=run.group)
         x.requires_grad_()
-    start = _now(device)
-    with _SavedBytes(stage) if run.measure_memory else contextlib.nullcontext() as saved:
-        out = stage(x)
-        if stage.is_last:
-            out = stage.loss(out, target) / run.n_microbatches  # the mean over m micro-batches
-    end = _now(device)
+    with record_function(f"stage {stage.stage_index} F micro-batch {i}"):  # the span of the timeline's Event
+        start = _now(device)
+        with _SavedBytes(stage) if run.measure_memory else contextlib.nullcontext() as saved:
+            out = stage(x)
+            if stage.is_last:
+                out = stage.loss(out, target) / run.n_microbatches  # the mean over m micro-batches
+        end = _now(device)
     run.stash[i, c] = (x, out, sum(saved.storages.values()) if saved else 0)
     run.account()
     if stage.is_last:
@@ -269,15 +271,16 @@ def _backward(run: _Run, i: int, c: int, device, split: bool) -> tuple[float, fl
     if not stage.is_last:
         grad = torch.empty_like(out)  # (b/m, T, h): d loss / d output
         ops.recv(grad, run.next_rank, group=run.group)
-    start = _now(device)
-    if split:
-        stage.weight_grad_store.defer = True  # B: input gradients now, weight gradients put aside for W
-    try:
-        torch.autograd.backward(out, grad)
-    finally:
+    with record_function(f"stage {stage.stage_index} B micro-batch {i}"):
+        start = _now(device)
         if split:
-            stage.weight_grad_store.defer = False
-    end = _now(device)
+            stage.weight_grad_store.defer = True  # B: input gradients now, weight gradients put aside for W
+        try:
+            torch.autograd.backward(out, grad)
+        finally:
+            if split:
+                stage.weight_grad_store.defer = False
+        end = _now(device)
     if split:
         work = stage.weight_grad_store.take()
         run.weight_work[i, c] = (work, pending_bytes(work) if run.measure_memory else 0)
@@ -290,10 +293,12 @@ def _backward(run: _Run, i: int, c: int, device, split: bool) -> tuple[float, fl
 
 def _weight(run: _Run, i: int, c: int, device) -> tuple[float, float]:
     work, _ = run.weight_work.pop((i, c))
-    start = _now(device)
-    for weight_gradient, _ in work:
-        weight_gradient()  # dW = dY^T X (and db) of each linear layer, accumulated into .grad
-    return start, _now(device)
+    with record_function(f"stage {run.chunks[c].stage_index} W micro-batch {i}"):
+        start = _now(device)
+        for weight_gradient, _ in work:
+            weight_gradient()  # dW = dY^T X (and db) of each linear layer, accumulated into .grad
+        end = _now(device)
+    return start, end
 
 
 def _check_chunks(chunks: list, s: int, p: int) -> int:

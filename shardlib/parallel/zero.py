@@ -46,6 +46,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.profiler import record_function
 from torch.utils._pytree import tree_map
 
 from shardlib.comm import ops
@@ -217,7 +218,8 @@ class ZeroOptimizer:
                 view.copy_(p.grad)
             p.grad = view
         b.grad_shard = b.layout.shard(b.flat_grad)  # (c,) a view: no new memory
-        ops.reduce_scatter_tensor(b.grad_shard, b.flat_grad, group=self.group)  # (N*c,) -> (c,) summed over ranks
+        with record_function(f"reduce-scatter bucket {self.buckets.index(b)}"):
+            ops.reduce_scatter_tensor(b.grad_shard, b.flat_grad, group=self.group)  # (N*c,) -> (c,) summed over ranks
         b.grad_shard.div_(self.world_size)
 
     def _on_grad_ready(self, b: _Bucket) -> None:
@@ -231,7 +233,8 @@ class ZeroOptimizer:
         for p in b.params:
             p.grad = None  # full gradients gone: only the (c,) shard below stays
         shard = torch.empty(b.layout.shard_numel, dtype=flat.dtype, device=flat.device)  # (c,)
-        ops.reduce_scatter_tensor(shard, flat, group=self.group)  # (N*c,) -> (c,) summed over ranks
+        with record_function(f"reduce-scatter bucket {self.buckets.index(b)}"):
+            ops.reduce_scatter_tensor(shard, flat, group=self.group)  # (N*c,) -> (c,) summed over ranks
         shard.div_(self.world_size)
         b.grad_shard = shard if b.grad_shard is None else b.grad_shard.add_(shard)  # accumulation
         b.ready = 0
@@ -252,13 +255,15 @@ class ZeroOptimizer:
                 grad = grad.to(b.master.dtype)  # (c,) fp32 copy for the fp32 master step
             for piece, (lo, hi) in zip(b.pieces, b.piece_ranges):
                 piece.grad = None if grad is None else grad[lo:hi]
-        self.optimizer.step()  # each rank steps its shard only: (c,) per bucket
-        for b in self.buckets:
+        with record_function("optimizer step of this rank's shard"):
+            self.optimizer.step()  # each rank steps its shard only: (c,) per bucket
+        for k, b in enumerate(self.buckets):
             if self.mixed:
                 b.layout.shard(b.flat_param).copy_(b.master)  # fp32 master -> bf16 shard
                 for piece in b.pieces:
                     piece.grad = None  # drop the transient fp32 gradient copy
-            ops.all_gather_into_tensor(b.flat_param, b.layout.shard(b.flat_param), group=self.group)  # (c,) -> (N*c,)
+            with record_function(f"all-gather bucket {k}"):
+                ops.all_gather_into_tensor(b.flat_param, b.layout.shard(b.flat_param), group=self.group)  # (c,) -> (N*c,)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Stage 1 zeroes its flat gradient buffers (the 2 or 4 Psi bytes it keeps); stage 2 frees the shards."""
