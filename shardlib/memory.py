@@ -198,6 +198,21 @@ def zero_comm_elements(n_params: float, world_size: int, stage: int) -> float:
     return passes * (world_size - 1) / world_size * n_params
 
 
+def zero3_forward_peak_bytes(unit_numels: list[int], world_size: int, element_size: int, *, prefetch: bool,
+                              staging_copies: int = 0, activation_bytes: int = 0) -> int:
+    """Most bytes a ZeRO-3 forward holds on top of its shards: the gathered units, padded to N*c elements.
+
+    One unit is whole while it computes; with prefetch the next one is gathered meanwhile, so two
+    consecutive units are whole at once (FSDP, arXiv 2304.11277, Section 3.3). staging_copies:
+    buffers of a unit's size the backend allocates while it gathers (gloo gathers into a staging
+    buffer and copies out: 1; NCCL writes in place: 0). activation_bytes: what forward saves for backward.
+    """
+    full = [padded_numel(n, world_size) * element_size for n in unit_numels]  # (N*c,) each
+    window = 2 if prefetch else 1
+    gathered = max(sum(full[k:k + window]) for k in range(len(full)))
+    return gathered + staging_copies * max(full) + activation_bytes
+
+
 def offloaded_model_state_bytes(n_params: float, world_size: int, stage: int, recipe="mixed_adam") -> dict:
     """Model states of one rank with the optimizer offloaded to the CPU (ZeRO-Offload, arXiv 2101.06840):
     dict(device, host). The device keeps the parameters and gradients of `zero_model_state_bytes`; the

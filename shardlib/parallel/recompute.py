@@ -141,11 +141,19 @@ def apply_recompute(model: GPT, mode: str | None, *, attention: str = "eager") -
 # formulas
 
 
-def activation_elements(seq_len: int, batch: int, hidden: int, heads: int, mode: str | None = None) -> int:
-    """Elements one block of the course GPT keeps for backward (eager attention, dropout 0)."""
+def activation_elements(seq_len: int, batch: int, hidden: int, heads: int, mode: str | None = None, *,
+                        attention: str = "eager") -> int:
+    """Elements one block of the course GPT keeps for backward (dropout 0).
+
+    attention="eager": the core written out keeps its a s^2 b probabilities; "sdpa" (the course GPT as
+    built, PyTorch's fused kernel) keeps instead one log-sum-exp per head and position, a s b, and
+    recomputes the probabilities in its backward. Selective and full recomputation keep the same either way.
+    """
     s, b, h, a = seq_len, batch, hidden, heads
+    if attention not in ("eager", "sdpa"):
+        raise ValueError(f"attention must be 'eager' or 'sdpa', got {attention!r}")
     if mode is None:
-        return 16 * s * b * h + a * s * s * b + 4 * s * b
+        return 16 * s * b * h + (a * s * b if attention == "sdpa" else a * s * s * b) + 4 * s * b
     if mode == "selective":
         return 16 * s * b * h + 4 * s * b
     if mode == "full":

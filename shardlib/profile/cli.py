@@ -19,15 +19,14 @@ def _shown(path) -> str:
 
 def run(technique: str, world_size: int, out_dir, *, memory: bool = False, device: str = "cpu") -> list[dict]:
     """Trace one step of `technique` on `world_size` ranks into `out_dir`; each rank's result (traced_step)."""
-    from shardlib.checks.registry import world_size_problems
     from shardlib.launch import launch
-    from shardlib.profile.techniques import TECHNIQUES, traced_step
+    from shardlib.profile.techniques import TECHNIQUES, traced_step, world_size_error
 
     if technique not in TECHNIQUES:
         raise ValueError(f"unknown technique {technique!r}; trace knows: {', '.join(TECHNIQUES)}")
-    problems = world_size_problems([(technique, world_size)])
-    if problems:
-        raise ValueError("; ".join(problems))
+    problem = world_size_error(technique, world_size)
+    if problem:
+        raise ValueError(problem)
     return launch(traced_step, world_size, args=(technique, str(out_dir), memory), device=device, timeout=300)
 
 

@@ -10,6 +10,7 @@ timeline, ZeRO-3's all-gather log, a pipeline's forwards and backwards) for `sha
 from __future__ import annotations
 
 import functools
+import importlib
 import time
 
 import torch
@@ -23,7 +24,7 @@ from shardlib.models import build_gpt, random_token_batches
 from shardlib.profile.record import trace
 from shardlib.reference import model_loss, rank_slice
 
-__all__ = ["TECHNIQUES", "DEFAULT_WORLD_SIZE", "traced_step"]
+__all__ = ["TECHNIQUES", "DEFAULT_WORLD_SIZE", "traced_step", "traced_steps", "world_size_error"]
 
 PIPELINES = {"pp-naive": "naive", "pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interleaved",
              "pp-zero-bubble": "zero-bubble"}
@@ -175,6 +176,19 @@ TECHNIQUES = {**{name: _data_parallel for name in ("dp", "ddp", "zero1", "zero2"
               "tp": _tensor, "tp-sp": _tensor, **{name: _pipeline for name in PIPELINES},
               "cp-ring": _context, "cp-ulysses": _context, "ep": _experts, "ep-dp": _experts}
 DEFAULT_WORLD_SIZE = {name: 4 if name == "ep-dp" else 2 for name in TECHNIQUES}
+CHECK_FAMILY = {**{name: "ddp" for name in ("dp", "ddp")}, **{name: "zero" for name in ("zero1", "zero2", "zero3")},
+                **{name: "time" for name in ("zero3-prefetch", "pp-interleaved", "pp-zero-bubble")},
+                "tp": "tensor", "tp-sp": "tensor", **{name: "pipeline" for name in ("pp-naive", "pp-gpipe", "pp-1f1b")},
+                "cp-ring": "context", "cp-ulysses": "context", "ep": "experts", "ep-dp": "experts"}
+
+
+def world_size_error(technique: str, world_size: int) -> str | None:
+    """Why `technique` cannot run on `world_size` ranks (its check's rule: the same models), or None."""
+    if world_size < 1:
+        return f"world size must be >= 1, got {world_size}"
+    family = importlib.import_module(f"shardlib.checks.{CHECK_FAMILY[technique]}")
+    rule = getattr(family, "world_size_error", None)
+    return rule(technique, world_size) if rule else None
 
 
 def traced_step(technique: str, out_dir: str, memory: bool = False) -> dict:
@@ -189,3 +203,8 @@ def traced_step(technique: str, out_dir: str, memory: bool = False) -> dict:
             step()
     return {"calls": {kind: row["calls"] for kind, row in ledger.summary().items()}, "timers": timers,
             "rank_file": str(files.rank_file), "merged": str(files.merged)}
+
+
+def traced_steps(techniques: list[str], out_root: str, memory: bool = False) -> dict:
+    """traced_step for each technique in turn, in one launch: {technique: result}, traces in out_root/technique."""
+    return {name: traced_step(name, f"{out_root}/{name}", memory) for name in techniques}
