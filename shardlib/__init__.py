@@ -9,6 +9,7 @@
     plan/        the layout planner and its command line (lesson 06)
     finetune/    fine-tuning a real model with Accelerate + FSDP (lesson 08)
     checks/      every technique against a single-device reference: `python -m shardlib verify`, `bench`
+    profile/     torch.profiler traces of every rank, merged for Perfetto, read back (`shardlib.trace`, lesson 13)
     lessons/     measurements and plots only the notebooks use
     course/      the course's own tooling (lab generation, doctor)
 
@@ -19,9 +20,10 @@ paper it follows.
 
 from shardlib.comm.ledger import comm_ledger
 from shardlib.launch import LaunchError, LaunchTimeout, RankError, current_device, init_from_env, launch
+from shardlib.profile.record import trace
 
 __all__ = ["launch", "LaunchError", "LaunchTimeout", "RankError", "current_device", "init_from_env", "comm_ledger",
-           "verify"]
+           "trace", "verify"]
 
 
 def verify(technique: str, world_size: int, *, device: str = "cpu") -> dict:

@@ -170,8 +170,10 @@ def test_trace_agrees_with_the_techniques_own_timers(traced):
 
 @pytest.mark.slow
 def test_memory_timelines_peak_where_the_formulas_say(tmp_path):
-    for prefetch in (False, True):
-        r = launch(zero3_memory, 2, args=(prefetch, str(tmp_path / f"zero3-{prefetch}")), device="cpu")[0]
+    def zero3_both(root):  # one process, two traces: each timeline counts from its own start
+        return [zero3_memory(prefetch, f"{root}/zero3-{prefetch}") for prefetch in (False, True)]
+
+    for prefetch, r in zip((False, True), launch(zero3_both, 2, args=(str(tmp_path),), device="cpu")[0]):
         trace = read_trace(r["merged"])
         forward = trace.phases(0, "forward")[0]
         peak = max(b for ts, b in trace.memory[(0, 0)] if forward.start <= ts <= forward.end)

@@ -64,14 +64,19 @@ def _sync(device: torch.device) -> None:
 
 
 def _best_seconds(fn, device, repeats: int) -> float:
+    """Best of `repeats` runs. On a CPU, the calling thread's CPU time (time.thread_time): on a shared
+    machine the wall clock also counts the time the thread waits for a core, which grows with the
+    length of the operation, so a wall-clock roof taken from small matmuls would put large ones far
+    below it. On a GPU, wall time between synchronisations."""
     fn()  # warm up
+    clock = time.perf_counter if torch.device(device).type == "cuda" else time.thread_time
     best = float("inf")
     for _ in range(repeats):
         _sync(device)
-        start = time.perf_counter()
+        start = clock()
         fn()
         _sync(device)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best
 
 

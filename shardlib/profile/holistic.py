@@ -17,6 +17,7 @@ import io
 import logging
 import warnings
 from collections import Counter
+from pathlib import Path
 
 from shardlib.profile.read import LEDGER_KINDS
 
@@ -41,7 +42,7 @@ def _parsed(rank_files: dict):
     with _quiet():
         from hta.common.trace import Trace
 
-        parsed = Trace({rank: str(path) for rank, path in rank_files.items()})
+        parsed = Trace({rank: str(Path(path).resolve()) for rank, path in rank_files.items()})  # HTA wants whole paths
         parsed.parse_traces(use_multiprocessing=False)
     return parsed
 
@@ -69,7 +70,7 @@ def gpu_analyses(rank_files: dict) -> dict:
     with _quiet():
         from hta.trace_analysis import TraceAnalysis
 
-        analysis = TraceAnalysis(trace_files={rank: str(path) for rank, path in rank_files.items()})
+        analysis = TraceAnalysis(trace_files={rank: str(Path(path).resolve()) for rank, path in rank_files.items()})
         out = {}
         for name in ("get_temporal_breakdown", "get_comm_comp_overlap", "get_idle_time_breakdown",
                      "get_gpu_kernel_breakdown"):

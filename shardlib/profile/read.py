@@ -59,7 +59,7 @@ class Slice:
 @dataclass
 class Trace:
     slices: list[Slice]
-    memory: dict = field(default_factory=dict)  # (rank, device type) -> [(ts, bytes allocated since the start)]
+    memory: dict = field(default_factory=dict)  # (rank, device type) -> [(ts, bytes allocated since the trace began)]
     path: Path | None = None
 
     @property
@@ -120,10 +120,19 @@ def read_trace(path) -> Trace:
             slices.append(Slice(rank, e.get("tid"), e.get("name", ""), e.get("cat", ""), e["ts"], e["ts"] + e["dur"]))
         elif e.get("ph") == "i" and e.get("name") == "[memory]" and isinstance(e.get("pid"), int):
             args = e.get("args", {})
-            memory.setdefault((rank, args.get("Device Type", 0)), []).append((e["ts"], args.get("Total Allocated", 0)))
-    for series in memory.values():
-        series.sort()
-    return Trace(slices, memory, path)
+            memory.setdefault((rank, args.get("Device Type", 0)), []).append(
+                (e["ts"], args.get("Total Allocated", 0), args.get("Bytes", 0)))
+    return Trace(slices, {key: _since_start(series) for key, series in memory.items()}, path)
+
+
+def _since_start(series: list) -> list[tuple[float, int]]:
+    """(ts, bytes allocated since the trace started and still alive). The profiler's "Total Allocated" counts
+    from the first trace of the process on (what an earlier trace allocated and freed untraced stays in
+    it): the level before the trace's first allocation is taken off."""
+    series.sort()
+    _, first_total, first_bytes = series[0]
+    baseline = first_total - first_bytes
+    return [(ts, allocated - baseline) for ts, allocated, _ in series]
 
 
 # ---------------------------------------------------------------------------------
