@@ -2,6 +2,8 @@
 
     ddp_overlap(trace, rank, timeline, backward)   overlap of the bucket all-reduces with backward's compute,
                                                    from the trace and from DDP's own bucket timeline
+    bucket_issue_times(trace, rank, timeline, bw)  when each bucket's all-reduce was issued, from backward's
+                                                   start: its label in the trace, its "start" in the timeline
     phase_durations(trace, rank, events)           a pipeline's forwards and backwards: each label's
                                                    duration in the trace beside its Event's
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from shardlib.profile.read import Trace, overlap_fraction
 
-__all__ = ["ddp_overlap", "phase_durations"]
+__all__ = ["ddp_overlap", "bucket_issue_times", "phase_durations"]
 
 
 def ddp_overlap(trace: Trace, rank: int, timeline: list, backward: tuple[float, float]) -> tuple[float, float]:
@@ -32,6 +34,14 @@ def ddp_overlap(trace: Trace, rank: int, timeline: list, backward: tuple[float, 
     last_grad = max(t for t, event, _ in timeline if event == "grad_ready")
     own = overlap_fraction([(starts[b], dones[b]) for b in starts if b in dones], [(backward[0], last_grad)])
     return from_trace, own
+
+
+def bucket_issue_times(trace: Trace, rank: int, timeline: list, backward: tuple[float, float]) -> list:
+    """(bucket, seconds from backward's start to its all-reduce's issue in the trace, the same by DDP's timeline)."""
+    start = trace.phases(rank, "backward")[0].start
+    labels = {int(s.name.split()[1]): (s.start - start) / 1e6 for s in trace.phases(rank, "bucket ")}
+    own = {b: t - backward[0] for t, event, b in timeline if event == "start"}
+    return [(b, labels[b], own[b]) for b in sorted(own) if b in labels]
 
 
 def phase_durations(trace: Trace, rank: int, events: list) -> list[tuple[str, float, float]]:
