@@ -107,6 +107,7 @@ def test_summary_separates_compute_communication_overlap_and_idle(tmp_path):
     assert trace.collectives(0) == {"all_reduce": 1}
 
 
+@pytest.mark.slow  # imports every check family it may ask: several seconds
 def test_trace_refuses_bad_input_before_starting_ranks(capsys, monkeypatch):
     from shardlib.profile import cli
 
