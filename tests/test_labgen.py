@@ -65,7 +65,7 @@ def test_solution_only_cells_dropped_outputs_stripped_note_on_top():
             assert cell["outputs"] == [] and cell["execution_count"] is None
             assert "execution" not in cell["metadata"]
     assert lab["cells"][3]["metadata"]["tags"] == ["check"]
-    assert lab["metadata"]["language_info"] == {"name": "python"}
+    assert lab["metadata"]["language_info"] == {"name": "python", "version": "3.11.7"}  # the solution's
     nbformat.validate(nbformat.from_dict(lab))
 
 

@@ -59,6 +59,9 @@ HINT_HEADING = "#### "
 NBGRADER_SCHEMA = 3
 LAB_NAME = re.compile(r"(\d\d|p\d)_\w+\.ipynb$")  # 03_zero1_step.ipynb, p1_zero3_from_scratch.ipynb
 NOTE_CELL_ID = "generated-lab-note"
+# the kernelspec of the course's environment (ipykernel's own), which every notebook is saved with: a
+# notebook naming another display name opens in JupyterLab already "modified"
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout, when shardlib runs from one (see find_root)
 NOTE = """\
 > **This lab is generated from [`{source}`](../{source})** by `python -m shardlib labs`:
@@ -227,11 +230,13 @@ def make_lab(solution: dict, source: str) -> dict:
     if regions == 0:
         raise LabError(f"{source}: no {BEGIN!r} region, so the lab would give the answer away")
     metadata = solution.get("metadata", {})
-    kernelspec = metadata.get("kernelspec", {"display_name": "Python 3", "language": "python", "name": "python3"})
+    kernelspec = metadata.get("kernelspec", KERNELSPEC)
     return {
         "cells": cells,
-        # Only what does not depend on who ran the solution last, so labs do not churn.
-        "metadata": {"kernelspec": kernelspec, "language_info": {"name": "python"}},
+        # The solution's kernelspec and language_info (what its kernel reported): JupyterLab rewrites
+        # both when they differ from the running kernel's, so a lab opens unmodified where its solution
+        # was executed; nothing else, so that labs do not churn with who ran the solution last.
+        "metadata": {"kernelspec": kernelspec, "language_info": metadata.get("language_info", {"name": "python"})},
         "nbformat": 4,
         "nbformat_minor": max(5, solution.get("nbformat_minor", 5)),  # 4.5: cells carry ids
     }
