@@ -1,7 +1,7 @@
 # Shortcuts for people who like make; each calls course.py, which does the work.
 PYTHON ?= python3
 
-.PHONY: course test test-fast test-gpu labs
+.PHONY: course test test-fast test-gpu labs site
 
 course:  ## set up .venv if needed and open the course in JupyterLab
 	$(PYTHON) course.py
@@ -17,3 +17,6 @@ test-gpu:  ## the tests that need CUDA GPUs (skipped without them)
 
 labs:  ## regenerate labs/ from solutions/
 	$(PYTHON) course.py labs
+
+site:  ## build the course's website from the executed notebooks into build/site
+	$(PYTHON) course.py site

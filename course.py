@@ -1,18 +1,22 @@
 #!/usr/bin/env python3
 """Set up the course and open it, or run every test. Needs only Python 3.10+.
 
-    python3 course.py             set up .venv if needed, then open JupyterLab at lesson 00
+    python3 course.py             set up .venv if needed, then open JupyterLab on the course folder at lesson 00
+                                  (Ctrl-C stops it: its kernels are shut down and its runtime files removed)
     python3 course.py test [ARGS] set up .venv if needed, then run all tests
                                   (pytest over tests/, nbval over notebooks/; the lab solutions run in tests/test_labs.py);
                                   ARGS go to pytest, e.g. `-x`, `-k ring`, `-m "not slow"` (the fast tier),
                                   or paths to run only those
     python3 course.py labs [ARGS] regenerate labs/ from solutions/ (`python -m shardlib labs`)
+    python3 course.py site [DIR]  build the course's website from the executed notebooks into DIR
+                                  (default build/site; open DIR/index.html); installs the `site` extra
     python3 course.py lock        refresh course-lock.txt: install pyproject.toml's newest allowed versions
                                   into a fresh environment and write down every version (instructors)
 
     --cpu-torch                   (with any command) install PyTorch's CPU-only build (about 200 MB)
-                                  instead of the default CUDA build (several GB): for machines without an
-                                  NVIDIA GPU. Needs https://download.pytorch.org/whl/cpu to be reachable.
+                                  instead of the default CUDA build (several GB). The first set-up on Linux
+                                  without an NVIDIA GPU does so unasked; when https://download.pytorch.org/whl/cpu
+                                  cannot be reached it says so and installs the default build instead.
     --no-lock                     (with any command) install the newest versions pyproject.toml allows
                                   instead of the ones course-lock.txt pins
 
@@ -23,20 +27,23 @@ was made with one Python minor version (its header says which); with another Pyt
 
 Set-up: creates the virtual environment .venv from pyproject.toml when it is missing, and
 reinstalls the project (`pip install -e .`) whenever pyproject.toml or course-lock.txt has changed
-since the last install (their hash is kept in .venv/course-stamp.txt). Extra arguments after `python3 course.py`
-(no command) go to `jupyter lab`, e.g. `--no-browser --port 8890`; run as root (as in many cloud
-containers), it passes `--allow-root` to JupyterLab and says so.
+since the last install (their hash is kept in .venv/course-stamp.txt). `test` also installs the
+`site` and `browser` extras (the website's build tools, Playwright for the browser tests), `site` the
+first; once installed, later set-ups keep them. Extra arguments after `python3 course.py` (no command)
+go to `jupyter lab`, e.g. `--no-browser --port 8890`; run as root (as in many cloud containers), it
+passes `--allow-root` to JupyterLab and says so.
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -48,6 +55,11 @@ CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's CPU-only w
 CPU_TORCH_FLAG = "--cpu-torch"
 NO_LOCK_FLAG = "--no-lock"
 LOCK = ROOT / "course-lock.txt"
+EXTRAS = {"test": ("site", "browser"), "site": ("site",)}  # pyproject's optional extras each command needs
+FIRST_LESSON = "notebooks/00_memory_wall.ipynb"
+SITE_CONFIG = "docs"  # conf.py and the site's own pages
+SITE_FOLDERS = ("notebooks", "labs")  # the notebooks the site shows, at their repository paths; never solutions/
+STOP_TIMEOUT = 60  # seconds JupyterLab gets to shut its kernels down after Ctrl-C
 
 TEST_PATHS = ["tests", "notebooks"]  # solutions/ run in tests/test_labs.py, beside their stubs
 PYTEST_OPTIONS = [
@@ -144,14 +156,52 @@ def cpu_torch_command(python: Path) -> list:
 
 
 def no_nvidia_gpu() -> bool:
-    """Linux without an NVIDIA driver: where the default (CUDA) PyTorch wheel is several GB for nothing."""
-    return sys.platform.startswith("linux") and shutil.which("nvidia-smi") is None
+    """Linux without an NVIDIA driver (no /proc/driver/nvidia, no nvidia-smi): where the default (CUDA)
+    PyTorch wheel is several GB for nothing. Reads no GPU library, so it starts nothing."""
+    return (sys.platform.startswith("linux") and not Path("/proc/driver/nvidia").exists()
+            and shutil.which("nvidia-smi") is None)
 
 
-def ensure_environment(cpu_torch: bool = False, use_lock: bool = True) -> Path:
+def index_reachable(url: str, timeout: float = 10) -> bool:
+    """Whether a package index answers at all (any HTTP status counts), within `timeout` seconds."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return True  # it answered
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def choose_cpu_torch(asked: bool, stamp: list) -> bool:
+    """Whether to install PyTorch's CPU-only build: when asked (--cpu-torch, or an earlier set-up's
+    choice kept in the stamp) or, on a first set-up, on Linux without an NVIDIA GPU; never when its
+    index cannot be reached (then the default build, and why)."""
+    wanted = asked or "cpu-torch" in stamp
+    if not wanted and not stamp and no_nvidia_gpu():
+        say("no NVIDIA GPU here (Linux): installing PyTorch's CPU-only build (about 200 MB) instead of the "
+            "CUDA build (several GB)")
+        wanted = True
+    if wanted and not index_reachable(CPU_TORCH_INDEX + "/torch/"):
+        say(f"PyTorch's CPU index {CPU_TORCH_INDEX} cannot be reached from here: installing PyTorch from the "
+            "default index instead (on Linux that is the CUDA build, several GB). For the CPU build later, "
+            f"remove {VENV.name} and run this command again once the index can be reached")
+        wanted = False
+    return wanted
+
+
+def stamp_extras(stamp: list) -> set:
+    return {token.split(":", 1)[1] for token in stamp if token.startswith("extra:")}
+
+
+def ensure_environment(cpu_torch: bool = False, use_lock: bool = True, extras: tuple = ()) -> Path:
     """Create .venv and install the project into it, unless that is already up to date.
-    cpu_torch: install PyTorch's CPU-only build first (and remember it in the stamp).
-    use_lock: install the versions course-lock.txt pins (see lock_options)."""
+    cpu_torch: install PyTorch's CPU-only build first (and remember it in the stamp); see choose_cpu_torch.
+    use_lock: install the versions course-lock.txt pins (see lock_options).
+    extras: pyproject's optional extras to install too; once installed, later set-ups keep them."""
     if sys.version_info < MIN_PYTHON:
         sys.exit(f"[course] this course needs Python {'.'.join(map(str, MIN_PYTHON))} or newer; "
                  f"this is {sys.version.split()[0]}. Run it with a newer python3.")
@@ -159,44 +209,107 @@ def ensure_environment(cpu_torch: bool = False, use_lock: bool = True) -> Path:
     if not python.exists():
         create_venv()
     stamp = STAMP.read_text().split() if STAMP.exists() else []
-    cpu_torch = cpu_torch or "cpu-torch" in stamp  # once chosen, reinstalls keep the CPU-only build
-    wanted = pyproject_hash() + (" cpu-torch" if cpu_torch else "") + ("" if use_lock else " no-lock")
-    if stamp == wanted.split():
+    extras = sorted(set(extras) | stamp_extras(stamp))
+    flags = (["cpu-torch"] if cpu_torch or "cpu-torch" in stamp else []) + ([] if use_lock else ["no-lock"])
+    if stamp == [pyproject_hash(), *flags, *(f"extra:{name}" for name in extras)]:
         say(f"environment {VENV.relative_to(ROOT)} is up to date with pyproject.toml")
         return python
     say("installing the course package and its dependencies (the first time takes a few minutes)")
-    if not cpu_torch and no_nvidia_gpu() and not stamp:
-        say(f"no NVIDIA GPU here: `python3 course.py {CPU_TORCH_FLAG}` would install PyTorch's CPU-only build "
-            "(about 200 MB) instead of the CUDA build (several GB)")
+    cpu_torch = choose_cpu_torch(cpu_torch, stamp)
     if pip_version(python) < MIN_PIP:
         run([python, "-m", "pip", "install", "--upgrade", "pip"])
     constraints = lock_options(use_lock)
     if cpu_torch:
         say(f"installing PyTorch's CPU-only build from {CPU_TORCH_INDEX}")
         run(cpu_torch_command(python) + constraints)
-    run([python, "-m", "pip", "install", "-e", ".", *constraints])
-    STAMP.write_text(wanted + "\n")
+    run([python, "-m", "pip", "install", "-e", f".[{','.join(extras)}]" if extras else ".", *constraints])
+    flags = (["cpu-torch"] if cpu_torch else []) + ([] if use_lock else ["no-lock"])
+    STAMP.write_text(" ".join([pyproject_hash(), *flags, *(f"extra:{name}" for name in extras)]) + "\n")
     say("installation done")
     return python
-
-
-def first_lesson() -> str:
-    lessons = sorted(glob.glob(str(ROOT / "notebooks" / "00_*.ipynb")))
-    return os.path.relpath(lessons[0], ROOT) if lessons else "notebooks"
 
 
 def running_as_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
 
 
-def open_course(python: Path, extra: list) -> int:
-    target = first_lesson()
+def lab_command(python: Path, extra: list) -> list:
+    """`jupyter lab` serving the course's top folder (lessons, labs and solutions all reachable), its
+    printed URL and the page it opens lesson 00."""
     if running_as_root() and "--allow-root" not in extra:
         say("running as root (as in many cloud containers): passing --allow-root to JupyterLab, "
             "which refuses to start as root without it")
         extra = [*extra, "--allow-root"]
-    say(f"opening JupyterLab at {target} (stop it with Ctrl-C)")
-    return call([python, "-m", "jupyter", "lab", target, *extra])
+    return [python, "-m", "jupyter", "lab", f"--ServerApp.root_dir={ROOT}",
+            f"--LabApp.default_url=/lab/tree/{FIRST_LESSON}", *extra]
+
+
+def serve(command: list) -> int:
+    """Run JupyterLab until it stops. Ctrl-C (SIGINT), SIGTERM or a closed terminal (SIGHUP) reach it as
+    SIGTERM, its clean stop (kernels shut down, runtime files removed), which it gets STOP_TIMEOUT
+    seconds to finish. It runs in its own process group, so that a terminal's Ctrl-C reaches it through
+    this process only: its own Ctrl-C handler asks a question on the terminal and gives up after 5 s."""
+    if os.name == "nt":  # no process groups nor SIGTERM there: the console sends Ctrl-C to both of us
+        return call(command)
+    say("$ " + " ".join(str(part) for part in command))
+    process = subprocess.Popen([str(part) for part in command], cwd=ROOT, start_new_session=True)
+    stopping = []  # when each stop signal came
+
+    def stop(signum, frame):
+        if not stopping and signum != signal.SIGHUP:  # after a hang-up there is no terminal to write to
+            say(f"stopping JupyterLab ({signal.Signals(signum).name}): shutting its kernels down")
+        stopping.append(time.monotonic())
+        process.send_signal(signal.SIGTERM)
+
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, stop) for signum in handled}
+    try:
+        while True:
+            try:
+                return process.wait(timeout=0.5)  # a wait that returns to look at the clock
+            except subprocess.TimeoutExpired:
+                if stopping and time.monotonic() - stopping[0] > STOP_TIMEOUT:
+                    say(f"JupyterLab did not stop within {STOP_TIMEOUT} s: killing it")
+                    process.kill()
+                    return process.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def open_course(python: Path, extra: list) -> int:
+    say(f"opening JupyterLab on {ROOT.name}/ at {FIRST_LESSON} (stop it with Ctrl-C)")
+    return serve(lab_command(python, extra))
+
+
+def stage_site(root: Path, stage: Path) -> Path:
+    """The site's source folder: the pages of docs/ and the notebooks of SITE_FOLDERS at their
+    repository paths (copied with their times, so that a rebuild redoes only what changed)."""
+    if stage.exists():
+        shutil.rmtree(stage)
+    shutil.copytree(root / SITE_CONFIG, stage, ignore=shutil.ignore_patterns("conf.py", "__pycache__"))
+    for folder in SITE_FOLDERS:
+        (stage / folder).mkdir(parents=True)
+        for path in sorted((root / folder).glob("*.ipynb")):
+            shutil.copy2(path, stage / folder / path.name)
+    return stage
+
+
+def site_command(python: Path, out: Path, root: Path = ROOT) -> list:
+    """sphinx-build of the staged site into `out`, every warning an error (broken link, missing image,
+    a notebook in no table of contents); staging and caches beside `out`."""
+    stage = stage_site(root, out.parent / f"{out.name}-source")
+    return [python, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-q", "-c", root / SITE_CONFIG,
+            "-d", out.parent / f"{out.name}-doctrees", stage, out]
+
+
+def build_site(python: Path, extra: list) -> int:
+    out = Path(extra[0]).resolve() if extra else ROOT / "build" / "site"
+    say(f"building the website from the saved notebooks into {os.path.relpath(out, ROOT)}")
+    code = call(site_command(python, out))
+    if code == 0:
+        say(f"done: open {out / 'index.html'} in a browser")
+    return code
 
 
 # pytest options whose value is the next argument (`-k tests` names no path); `-kring` and
@@ -247,7 +360,7 @@ def refresh_lock() -> int:
         python = Path(folder) / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
         run([sys.executable, "-m", "venv", folder])
         run([python, "-m", "pip", "install", "--upgrade", "pip"])
-        run([python, "-m", "pip", "install", "."])
+        run([python, "-m", "pip", "install", f".[{','.join(sorted(set(sum(EXTRAS.values(), ()))))}]"])
         frozen = subprocess.run([str(python), "-m", "pip", "freeze", "--exclude", "shardlib"], check=True,
                                 capture_output=True, text=True, cwd=ROOT).stdout
     here = this_python()
@@ -273,9 +386,9 @@ def main(argv: list) -> int:
     cpu_torch, use_lock = CPU_TORCH_FLAG in argv, NO_LOCK_FLAG not in argv
     argv = [arg for arg in argv if arg not in (CPU_TORCH_FLAG, NO_LOCK_FLAG)]
     command, extra = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else ("lab", argv)
-    if command not in ("lab", "test", "labs", "lock"):
+    if command not in ("lab", "test", "labs", "lock", "site"):
         print(__doc__)
-        say(f"unknown command {command!r}: use no command, `test`, `labs` or `lock`")
+        say(f"unknown command {command!r}: use no command, `test`, `labs`, `site` or `lock`")
         return 2
     if command == "lock":
         try:
@@ -284,7 +397,7 @@ def main(argv: list) -> int:
             say(f"the lock was not refreshed: a step failed (exit code {error.returncode}); the output above says why")
             return 1
     try:
-        python = ensure_environment(cpu_torch=cpu_torch, use_lock=use_lock)
+        python = ensure_environment(cpu_torch=cpu_torch, use_lock=use_lock, extras=EXTRAS.get(command, ()))
     except subprocess.CalledProcessError as error:
         say(f"set-up failed (exit code {error.returncode}); the output above says why. "
             "Fix it and run this command again: the set-up resumes where it stopped.")
@@ -293,6 +406,8 @@ def main(argv: list) -> int:
         return run_tests(python, extra)
     if command == "labs":
         return call([python, "-m", "shardlib", "labs", *extra])
+    if command == "site":
+        return build_site(python, extra)
     return open_course(python, extra)
 
 

@@ -45,6 +45,8 @@ def course(tmp_path: Path, monkeypatch):
 
     monkeypatch.setattr(module, "run", run)
     monkeypatch.setattr(module, "pip_version", lambda python: (20, 2))
+    monkeypatch.setattr(module, "no_nvidia_gpu", lambda: False)  # tests that need no GPU say so
+    monkeypatch.setattr(module, "index_reachable", lambda url: True)
     return module
 
 
@@ -143,16 +145,81 @@ def test_cpu_torch_installs_pytorchs_cpu_build_at_pyprojects_version_first(cours
     assert course.commands == []
 
 
-def test_default_setup_never_reaches_the_cpu_index(course):
+def test_default_setup_with_an_nvidia_gpu_never_reaches_the_cpu_index(course):
     course.ensure_environment()
     assert not any("download.pytorch.org" in " ".join(command) for command in course.commands)
+
+
+def test_first_setup_without_an_nvidia_gpu_installs_the_cpu_build_and_says_so(course, monkeypatch, capsys):
+    monkeypatch.setattr(course, "no_nvidia_gpu", lambda: True)
+    course.ensure_environment()
+    pips = [command[1:] for command in course.commands if command[1:3] == ["-m", "pip"]]
+    assert pips[-2][-2:] == ["--index-url", "https://download.pytorch.org/whl/cpu"] and pips[-1][-2:] == ["-e", "."]
+    assert "no NVIDIA GPU here" in capsys.readouterr().out
+    assert "cpu-torch" in (course.STAMP.read_text()).split(), "the choice must be kept for later reinstalls"
+
+
+def test_an_unreachable_cpu_index_falls_back_to_the_default_build_and_says_why(course, monkeypatch, capsys):
+    monkeypatch.setattr(course, "no_nvidia_gpu", lambda: True)
+    asked = []
+    monkeypatch.setattr(course, "index_reachable", lambda url: asked.append(url) or False)
+    course.ensure_environment()
+    assert asked == ["https://download.pytorch.org/whl/cpu/torch/"]
+    assert not any("--index-url" in command for command in course.commands)
+    assert course.commands[-1][1:] == ["-m", "pip", "install", "-e", "."]
+    out = capsys.readouterr().out
+    assert "cannot be reached" in out and "https://download.pytorch.org/whl/cpu" in out and "remove .venv" in out
+    assert "cpu-torch" not in course.STAMP.read_text().split()
+
+
+def test_the_index_probe_tells_an_answering_server_from_a_closed_port():
+    """index_reachable against this machine: a closed port (no answer) and a server answering 404."""
+    import http.server
+    import socket
+    import threading
+
+    course = load_course()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]  # nobody listens once the socket is closed
+    assert course.index_reachable(f"http://127.0.0.1:{closed}/whl/cpu/torch/", timeout=5) is False
+    assert course.index_reachable("not a url") is False
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:  # BaseHTTPRequestHandler answers every request with an error status: still an answer
+        assert course.index_reachable(f"http://127.0.0.1:{server.server_port}/whl/cpu/torch/", timeout=5) is True
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_test_and_site_install_their_extras_and_later_setups_keep_them(course, tmp_path: Path):
+    course.ensure_environment(extras=course.EXTRAS["site"])
+    assert course.commands[-1][1:] == ["-m", "pip", "install", "-e", ".[site]"]
+    course.ensure_environment(extras=course.EXTRAS["test"])
+    assert course.commands[-1][1:] == ["-m", "pip", "install", "-e", ".[browser,site]"]
+    course.commands.clear()
+    course.ensure_environment()  # a plain set-up afterwards: nothing to reinstall
+    course.ensure_environment(extras=course.EXTRAS["site"])
+    assert course.commands == []
+
+
+def test_the_extras_course_py_installs_are_pyprojects():
+    import tomllib
+
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    wanted = {name for names in load_course().EXTRAS.values() for name in names}
+    assert wanted <= set(extras), f"course.py installs extras pyproject.toml lacks: {wanted - set(extras)}"
+    assert not any(r.split("[")[0].startswith(("sphinx", "myst", "playwright")) for r in
+                   tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]), \
+        "the website's and the browser tests' tools belong in the extras, not in the course's dependencies"
 
 
 def test_cpu_torch_flag_is_not_passed_to_jupyter(monkeypatch):
     course = load_course()
     seen = {}
     monkeypatch.setattr(course, "ensure_environment",
-                        lambda cpu_torch=False, use_lock=True: seen.setdefault("cpu", cpu_torch) and Path("py"))
+                        lambda cpu_torch=False, use_lock=True, extras=(): seen.setdefault("cpu", cpu_torch) and Path("py"))
     monkeypatch.setattr(course, "open_course", lambda python, extra: seen.setdefault("extra", extra) and 0)
     course.main(["--cpu-torch", "--no-browser"])
     assert seen == {"cpu": True, "extra": ["--no-browser"]}
@@ -163,10 +230,108 @@ def test_lab_as_root_passes_allow_root_and_says_so(monkeypatch, capsys, root):
     course = load_course()
     called = []
     monkeypatch.setattr(course, "running_as_root", lambda: root)
-    monkeypatch.setattr(course, "call", lambda command, **kwargs: called.append([str(p) for p in command]) or 0)
+    monkeypatch.setattr(course, "serve", lambda command: called.append([str(p) for p in command]) or 0)
     course.open_course(Path("python"), ["--no-browser"])
     assert ("--allow-root" in called[0]) == root
     assert ("passing --allow-root" in capsys.readouterr().out) == root
+
+
+def test_jupyterlab_serves_the_course_folder_and_opens_lesson_00(monkeypatch):
+    course = load_course()
+    monkeypatch.setattr(course, "running_as_root", lambda: False)
+    command = [str(part) for part in course.lab_command(Path("python"), ["--no-browser", "--port", "8890"])]
+    assert command[:4] == ["python", "-m", "jupyter", "lab"] and command[-3:] == ["--no-browser", "--port", "8890"]
+    assert f"--ServerApp.root_dir={REPO_ROOT}" in command, "labs/ and solutions/ must be reachable"
+    assert f"--LabApp.default_url=/lab/tree/{course.FIRST_LESSON}" in command
+    assert (REPO_ROOT / course.FIRST_LESSON).is_file()
+    assert not any(part.endswith(".ipynb") and not part.startswith("--") for part in command), \
+        "a notebook given as an argument makes its folder JupyterLab's root"
+
+
+SERVER = """
+import pathlib, signal, sys, time
+got = []
+signal.signal(signal.SIGINT, lambda *frame: got.append("INT"))
+def stop(*frame):
+    pathlib.Path(sys.argv[1]).write_text(" ".join(got + ["TERM"]))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if sys.argv[2] == "stubborn" else stop)
+pathlib.Path(sys.argv[1]).write_text("ready")
+while True:
+    time.sleep(0.05)
+"""
+
+
+def serve_and_interrupt(course, tmp_path: Path, behaviour: str) -> tuple:
+    """course.serve() running a stand-in server, given Ctrl-C (SIGINT to this process) once it is up."""
+    import signal
+    import sys
+    import threading
+    import time
+
+    (tmp_path / "server.py").write_text(SERVER)
+    log = tmp_path / "signals.txt"
+
+    def interrupt():
+        deadline = time.monotonic() + 30
+        while not (log.exists() and log.read_text() == "ready") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    code = course.serve([sys.executable, tmp_path / "server.py", log, behaviour])
+    return code, log.read_text()
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals and process groups")
+def test_ctrl_c_reaches_the_server_as_its_clean_stop(tmp_path: Path, capsys):
+    """Ctrl-C in course.py becomes SIGTERM for JupyterLab (its shutdown without questions); the server,
+    in its own process group, never sees the SIGINT itself."""
+    code, seen = serve_and_interrupt(load_course(), tmp_path, "stops")
+    assert (code, seen) == (0, "TERM"), f"the server exited {code} after receiving {seen!r}"
+    assert "stopping JupyterLab (SIGINT)" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals and process groups")
+def test_a_server_that_ignores_the_stop_is_killed_after_the_timeout(tmp_path: Path, monkeypatch, capsys):
+    import signal
+
+    course = load_course()
+    monkeypatch.setattr(course, "STOP_TIMEOUT", 1)
+    code, seen = serve_and_interrupt(course, tmp_path, "stubborn")
+    assert code == -signal.SIGKILL and seen == "ready"
+    assert "did not stop within 1 s: killing it" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------
+# the notebooks open unmodified: saved with the environment's kernelspec
+
+
+def kernelspec_mismatches(paths: list, expected: dict) -> list:
+    import json
+
+    return [f"{path.parent.name}/{path.name}: {kernelspec}" for path in paths
+            if (kernelspec := json.loads(path.read_text(encoding="utf-8")).get("metadata", {}).get("kernelspec"))
+            != expected]
+
+
+def test_every_committed_notebook_carries_the_environments_kernelspec(tmp_path: Path):
+    import ipykernel.kernelspec
+
+    from shardlib.course.labgen import KERNELSPEC
+
+    native = ipykernel.kernelspec.get_kernel_dict()
+    expected = {"display_name": native["display_name"], "language": native["language"],
+                "name": ipykernel.kernelspec.KERNEL_NAME}
+    assert KERNELSPEC == expected, "labgen's kernelspec differs from the environment's"
+    paths = [path for folder in ("notebooks", "labs", "solutions") for path in sorted((REPO_ROOT / folder).glob("*.ipynb"))]
+    assert len(paths) > 30
+    wrong = kernelspec_mismatches(paths, expected)
+    assert not wrong, ("notebooks whose kernelspec differs from the environment's (JupyterLab opens them "
+                       "modified):\n  " + "\n  ".join(wrong))
+    (tmp_path / "old.ipynb").write_text('{"metadata": {"kernelspec": {"display_name": "Python 3", '
+                                        '"language": "python", "name": "python3"}}}')
+    assert kernelspec_mismatches([tmp_path / "old.ipynb"], expected), "the check misses an old display name"
 
 
 def test_a_reinstall_keeps_the_cpu_build_once_chosen(course, tmp_path: Path):
