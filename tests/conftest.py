@@ -41,3 +41,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.suffix == ".ipynb":
             item.add_marker(slow)
+
+
+@pytest.fixture(scope="session")
+def built_site(tmp_path_factory) -> Path:
+    """The course's website built once per session, as `python3 course.py site` builds it, into a
+    temporary folder (tests/test_site.py, tests/test_browser.py). Skipped where the `site` extra is missing."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    for module in ("sphinx", "myst_nb", "sphinx_book_theme"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed: the website's build tools are pyproject's `site` extra, "
+                        "which `python3 course.py test` installs (or pip install -e '.[site]')")
+    spec = importlib.util.spec_from_file_location("course", REPO_ROOT / "course.py")
+    course = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(course)
+    out = tmp_path_factory.mktemp("site") / "html"
+    command = [str(part) for part in course.site_command(Path(sys.executable), out)]
+    built = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert built.returncode == 0, f"the website did not build (every Sphinx warning is an error):\n" \
+                                  f"{built.stdout[-4000:]}{built.stderr[-6000:]}"
+    return out
