@@ -14,8 +14,9 @@ sbatch's command line (no GPUs, 2 CPUs per node, a time limit): on each node one
   seconds, the log naming the rank; resubmitted through torchrun (LAUNCHER=torchrun) the job ends
   COMPLETED, continuing from its last checkpoint with the losses of the run by hand.
 
-Every run shares one schedule (--max-steps) and stops early (--stop-after), so one run by hand is the
-reference for all; the time-limit test comes first because its runs decide how long that must be.
+Every run shares one schedule (--max-steps 1000) and stops long before its end (--stop-after, or the
+time limit), so one run by hand is the reference for all; the time-limit test comes first because
+where its first run stops decides how long the run by hand must be.
 Job states: `sacct --completion` (jobcomp/filetxt; without a database there is no job accounting).
 """
 
@@ -217,7 +218,7 @@ def test_near_the_time_limit_the_ranks_checkpoint_and_the_requeued_job_resumes(s
     slurm.run("scancel", job)
     assert slurm.ended(job, 120, log) == "CANCELLED"
     text = log.read_text()
-    assert f"restart 1) on node[1-2]" in text and f"resumed from {out}/checkpoints/step_{stopped:06d}" in text
+    assert "restart 1) on node[1-2]" in text and f"resumed from {out}/checkpoints/step_{stopped:06d}" in text
     print(f"\njob {job}: first run stopped at step {stopped} after SIGUSR1; sacct --completion: {slurm.sacct(job)}")
     steps = _steps(out)
     assert [s["step"] for s in steps][:stopped + 1] == list(range(1, stopped + 2)), steps
