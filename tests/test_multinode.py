@@ -8,9 +8,11 @@ multi-node route). On them run:
   held against one device with the harness's policy, its ledger against the formulas, and the
   shard dimension inside each node;
 - the Slurm script (shardlib/configs/slurm_2node.sbatch) with fake SLURM_* variables and stand-ins
-  for `srun` and `scontrol`: its torchrun route runs the HYBRID_SHARD fine-tune for real (shard
-  within a node, replicate across nodes), held against a single-process run; its accelerate route
-  (8 GPUs per node, not runnable here) has each node's command recorded and parsed by Accelerate.
+  for `srun` and `scontrol`: its accelerate route for 2 nodes x 8 GPUs (not runnable here) has each
+  node's command recorded and parsed by Accelerate; where Slurm is not installed, its torchrun
+  route runs the HYBRID_SHARD fine-tune for real, stopped by SIGUSR1 (the time-limit warning) and
+  requeued, held against a single-process run. Where Slurm is installed, tests/test_slurm.py
+  submits the script to a real cluster instead, and that test is skipped.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -126,9 +131,16 @@ for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
 exit $status
 """
 FAKE_SCONTROL = """#!/bin/bash
-# scontrol stand-in: `scontrol show hostnames LIST` prints one host per line
-[ "$1 $2" = "show hostnames" ] && printf '127.0.0.1\\nnode-b\\n'
+# scontrol stand-in: `show hostnames LIST` prints one host per line, `show node NAME` its address;
+# `requeue JOB` is recorded
+case "$1 $2" in
+  "show hostnames") printf 'node-a\\nnode-b\\n' ;;
+  "show node") echo "NodeName=$3 Arch=x86_64 NodeAddr=127.0.0.1 NodeHostName=$3" ;;
+  "requeue "*) echo "$@" > "$RECORD_DIR/scontrol.args" ;;
+esac
 """
+# tests/test_slurm.py runs the script on a real Slurm where its packages are installed (it needs root)
+REAL_SLURM = os.name == "posix" and os.geteuid() == 0 and all(shutil.which(c) for c in ("sbatch", "slurmctld", "slurmd"))
 RECORDING_ACCELERATE = """#!/bin/bash
 # accelerate stand-in: record the command line of each node
 printf '%s\\n' "$@" > "$RECORD_DIR/node$SLURM_NODEID.args"
@@ -149,22 +161,35 @@ def _fake_slurm(tmp_path: Path, **scripts) -> dict:
 
 
 @pytest.mark.slow
-def test_slurm_script_torchrun_route_runs_hybrid_shard_on_two_fake_nodes(tmp_path):
-    out = tmp_path / "run"
+@pytest.mark.skipif(REAL_SLURM, reason="Slurm is installed: tests/test_slurm.py runs this route on a real cluster")
+def test_slurm_script_torchrun_route_runs_hybrid_shard_on_two_fake_nodes_and_stops_on_sigusr1(tmp_path):
+    out, script, steps = tmp_path / "run", ["bash", str(config_path("slurm_2node.sbatch"))], [*TINY, "--max-steps", "6"]
     env = _fake_slurm(tmp_path)
     env.update(LAUNCHER="torchrun", GPUS_PER_NODE="2", MAIN_PORT=str(_free_port()), OUTPUT_DIR=str(out),
-               FINETUNE_ARGS=shlex.join(TINY))
-    done = subprocess.run(["bash", str(config_path("slurm_2node.sbatch"))], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
+               FINETUNE_ARGS=shlex.join(steps), RECORD_DIR=str(tmp_path))
+    first = subprocess.Popen(script, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 600
+    while not (out / "log.jsonl").exists() and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    first.send_signal(signal.SIGUSR1)  # what Slurm sends the batch shell near the time limit (--signal=B:USR1)
+    output, _ = first.communicate(timeout=600)
+    assert first.returncode == 0, output[-4000:]
+    stopped = json.loads((out / "summary.json").read_text())
+    assert not stopped["finished"] and stopped["end_step"] < 6, stopped["history"]
+    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"], output[-2000:]
+
+    done = subprocess.run(script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)  # requeued
     assert done.returncode == 0, f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["start_step"] == stopped["end_step"] and summary["finished"], summary["start_step"]
     assert (summary["strategy"], summary["world_size"]) == ("HYBRID_SHARD", 4)
     # FULL_SHARD inside a node of 2 ranks: rank 0 holds half of every parameter; the other node holds a replica
     assert abs(summary["shard_check"]["fraction"] - 0.5) < 1e-3, summary["shard_check"]
     assert summary["units"][-1] == "" and len(summary["units"]) == 8, summary["units"]
-    one = launch(train, 1, args=(parse_args([*TINY, "--strategy", "FULL_SHARD", "--output-dir", str(tmp_path / "one")]),),
+    one = launch(train, 1, args=(parse_args([*steps, "--strategy", "FULL_SHARD", "--output-dir", str(tmp_path / "one")]),),
                  device="cpu", timeout=600, prefix_output=False)[0]
-    ours, reference = [h["loss"] for h in summary["history"]], [h["loss"] for h in one["history"]]
+    ours = [h["loss"] for h in stopped["history"] + summary["history"]]
+    reference = [h["loss"] for h in one["history"]]
     assert ours == pytest.approx(reference, abs=1e-5), (ours, reference)
     assert summary["test"]["accuracy"] == one["test"]["accuracy"]
 
@@ -188,10 +213,14 @@ def test_slurm_script_accelerate_route_gives_each_node_its_machine_rank(tmp_path
         args = launch_command_parser().parse_args(argv[1:])
         args, _, _ = _validate_launch_command(args)
         assert (args.num_machines, args.num_processes, args.machine_rank) == (2, 16, node)
-        assert (args.main_process_ip, args.main_process_port) == ("127.0.0.1", port)
+        assert (args.main_process_ip, args.main_process_port) == ("127.0.0.1", port)  # node-a's NodeAddr
         assert Path(args.config_file) == config_path("accelerate", "fsdp2_2node_8gpu_hybrid.yaml")
-        assert strategy_from_launch_env(prepare_multi_gpu_env(args)) == "HYBRID_SHARD"
+        env = prepare_multi_gpu_env(args)  # a mesh of 2 nodes x 8 GPUs: replicas across, shards within
+        assert (env["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"], env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("2", "8")
+        assert strategy_from_launch_env(env) == "HYBRID_SHARD"
         assert args.training_script == "shardlib.finetune" and args.module
         config = parse_args(args.training_script_args)  # the fine-tune's own flags are valid
-        assert isinstance(config, FinetuneConfig) and config.output_dir == "runs/finetune-shardlib-finetune"
+        out = "runs/finetune-shardlib-finetune"
+        assert isinstance(config, FinetuneConfig) and config.output_dir == out
         assert (config.epochs, config.batch_size, config.resume, config.export) == (3, 256, "auto", True)
+        assert config.stop_file == f"{out}/stop-requested"  # where the script's SIGUSR1 trap asks for a stop

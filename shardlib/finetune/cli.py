@@ -21,6 +21,8 @@ HELP = {"data_dir": "a folder with train/validation/test .jsonl or .csv (default
         "grad_accum": "micro-batches per optimizer step on each rank",
         "checkpoint_every": "save a sharded checkpoint every this many steps (0: none)",
         "stop_after": "save a checkpoint and stop at this step; resume later with --resume",
+        "stop_file": "when this file appears (a scheduler's warning before a time limit), finish the step, "
+                     "save a checkpoint and stop; resume later with --resume",
         "keep_checkpoints": "committed checkpoints to keep", "device": "auto, cpu or cuda",
         "mixed_precision": f"{', '.join(MIXED_PRECISION)}: auto is bf16 on GPUs with native bf16 (sm_80+), "
                            "fp16 with gradient scaling on older GPUs (T4, V100), no on CPU",

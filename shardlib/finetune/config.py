@@ -46,6 +46,7 @@ class FinetuneConfig:
     evaluate: bool = True
     checkpoint_every: int = 0  # steps; 0: no periodic checkpoints
     stop_after: int | None = None  # save a checkpoint and stop at this step (resume later)
+    stop_file: str | None = None  # when this file appears, save a checkpoint at the end of the step and stop
     resume: bool | str = False  # True: latest checkpoint in output_dir; "auto": that if any; or a path
     keep_checkpoints: int = 2  # committed checkpoints kept (older ones are deleted)
     export: bool = False  # write output_dir/model with save_pretrained at the end

@@ -102,6 +102,8 @@ def make_accelerator(config, strategy: str, device_type: str, world_size: int):
             replicas = replicate_size(config.replicate_size, world_size)
             kwargs["parallelism_config"] = ParallelismConfig(dp_replicate_size=replicas,
                                                              dp_shard_size=world_size // replicas)
+    elif device_type == "cpu":  # an accelerate config's mesh (HYBRID_SHARD): Accelerate refuses one on CPU
+        os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)  # ranks; prepare_model shards itself
     accelerator = Accelerator(**kwargs)
     if not dist.is_initialized():  # one plain process (python -m, accelerate launch --cpu): a group of 1
         dist.init_process_group("gloo" if device_type == "cpu" else "nccl", store=dist.HashStore(),

@@ -173,8 +173,8 @@ def save(run: RankRun, step: int, fault=None) -> Path:
     return path
 
 
-def _step(run: RankRun, step: int, measure: dict | None) -> float:
-    """One optimizer step on this rank's share of global batch `step`; returns the global mean loss."""
+def _step(run: RankRun, step: int, measure: dict | None) -> tuple[float, bool]:
+    """One optimizer step on this rank's share of global batch `step`: (global mean loss, stop asked)."""
     config, accelerator, split = run.config, run.accelerator, run.splits["train"]
     mine = rank_share(global_batch_indices(len(split), config.batch_size, step, config.seed), run.rank, run.world_size)
     torch.manual_seed(config.seed * 1_000_003 + step * 1_009 + run.rank)  # dropout masks: f(seed, step, rank)
@@ -198,7 +198,9 @@ def _step(run: RankRun, step: int, measure: dict | None) -> float:
     if measure is not None:
         measure["after_step"] = memory_snapshot(run.model, run.plain_optimizer)
     run.optimizer.zero_grad(set_to_none=True)
-    return all_reduce_sum([loss_sum / config.grad_accum], run.device)[0] / run.world_size
+    stop = run.rank == 0 and config.stop_file is not None and os.path.exists(config.stop_file)  # rank 0 looks,
+    loss, stops = all_reduce_sum([loss_sum / config.grad_accum, float(stop)], run.device)  # every rank learns
+    return loss / run.world_size, stops > 0
 
 
 def run_steps(run: RankRun, start_step: int, fault=None) -> dict:
@@ -223,7 +225,7 @@ def run_steps(run: RankRun, start_step: int, fault=None) -> dict:
             group["lr"] = lr
         measure_at = start_step + 2 if config.measure_memory is True else config.measure_memory
         measure = record["memory"] if measure_at and done == measure_at else None
-        loss = _step(run, step, measure)
+        loss, stop = _step(run, step, measure)
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)
         record["step_times"].append(time.perf_counter() - started)
@@ -242,6 +244,10 @@ def run_steps(run: RankRun, start_step: int, fault=None) -> dict:
                 append_jsonl(run.out / "log.jsonl", record["evals"][-1])
             if config.progress != "final":
                 _print_eval(run, record["evals"][-1])
+        if stop and done < stop_at:  # summarise saves this step's checkpoint
+            run.accelerator.print(f"step {done}: {config.stop_file} appeared, stopping after a checkpoint")
+            stop_at = record["stop_at"] = done
+            break
         if config.checkpoint_every and done % config.checkpoint_every == 0 and done < stop_at:
             save(run, done, fault)
     bar.close()
@@ -271,7 +277,7 @@ def summarise(run: RankRun, start_step: int, record: dict) -> dict:
                "n_params": sum(p.numel() for p in run.model.parameters()),
                "mixed_precision": run.accelerator.mixed_precision, "step_time_s": typical(times),
                "samples_per_s": config.batch_size / typical(times) if times else None}
-    if config.checkpoint_every or config.stop_after:
+    if config.checkpoint_every or config.stop_after or not finished:  # not finished: the stop file
         summary["checkpoint"] = str(save(run, stop_at) if stop_at > start_step else step_dir(run.out / "checkpoints",
                                                                                               stop_at))
     if finished and config.evaluate:
