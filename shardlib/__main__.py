@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return doctor_main(argv[1:])
     if argv[:1] == ["grade"]:  # grade has its own options (python -m shardlib grade --help)
-        from shardlib.course.grade import main as grade_main
+        from shardlib.course.grading.cli import main as grade_main
 
         return grade_main(argv[1:])
     if argv[:1] == ["trace"]:  # trace has its own options (python -m shardlib trace --help)

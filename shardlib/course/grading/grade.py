@@ -1,0 +1,162 @@
+"""Grading one notebook: run it cell by cell in a sandboxed kernel, verify after every cell, score the checks.
+
+A check passes when the kernel's reply to it says `ok` and the verification after it (tamper.py)
+finds nothing changed. How each check can end:
+
+    passed | failed        the reply's status (failed: the exception's name and first line)
+    out of memory          it failed with MemoryError or a failed allocation, or the kernel was killed
+                           for holding more memory than allowed
+    timed out              it ran past --cell-timeout: interrupted (SIGINT to the kernel and its ranks)
+    kernel died            the kernel's process ended during it (os._exit, a crash, a signal)
+    not run                it never started; the message says why: the kernel died or was unresponsive
+                           (ignored the interrupt INTERRUPT_GRACE_S; it is then killed) after cell N, the
+                           run passed --timeout, or the grader was stopped (SIGTERM, SIGHUP)
+    tampered               the notebook changed what the checks rely on: every check scores 0
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from shardlib.course.grading.kernel import Kernel, Run
+from shardlib.course.grading.notebook import (against_release, fresh, grade_id, is_check, points, read_notebook,
+                                              role)
+from shardlib.course.grading.report import CheckResult, Report, error_message
+from shardlib.course.grading.sandbox import DEFAULT_MEMORY_GIB, DEFAULT_PROCESSES, make_sandbox
+from shardlib.course.grading.tamper import Verifier
+
+DEFAULT_TIMEOUT_S = 1800  # the whole run
+DEFAULT_CELL_TIMEOUT_S = 600  # one cell (shardlib.launch's own default timeout is 300 s)
+VERIFY_TIMEOUT_S = 120  # the grader's own code in the kernel, after a cell (the first imports what the labs use)
+OOM_MARKS = ("MemoryError", "can't allocate memory", "Cannot allocate memory", "out of memory")
+
+
+class GraderStopped(Exception):
+    """SIGTERM or SIGHUP reached the grader: it stops, kills everything, and still reports."""
+
+
+def stop_on_signals() -> None:
+    """Turn SIGTERM and SIGHUP into GraderStopped in the main thread (the clean-up then runs)."""
+    def handler(number, frame):
+        raise GraderStopped(signal.Signals(number).name)
+
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, handler)
+
+
+def grade(path: str | Path, release=None, timeout: float = DEFAULT_TIMEOUT_S,
+          cell_timeout: float = DEFAULT_CELL_TIMEOUT_S, memory_gib: float = DEFAULT_MEMORY_GIB,
+          processes: int = DEFAULT_PROCESSES, isolation: str = "auto", hide=(), progress: bool = False,
+          release_name: str = "") -> Report:
+    """Grade the notebook at `path` (against `release`: a path, or a notebook already read, named release_name)."""
+    path = Path(path)
+    submission = read_notebook(path)
+    if release is not None and not hasattr(release, "cells"):
+        release_name, hide = str(release), [*hide, Path(release).resolve().parent]
+        release = read_notebook(release)
+    graded = against_release(submission, release) if release is not None else fresh(submission)
+    report = Report(notebook=str(path), release=release_name)
+    cells = [(i, role(cell), cell.source) for i, cell in enumerate(graded.cells)
+             if cell.cell_type == "code" and cell.source.strip()]
+    checks = {i: CheckResult(grade_id(cell, i), i, points(cell), "not run", "")
+              for i, cell in enumerate(graded.cells) if is_check(cell)}
+    report.checks = list(checks.values())
+    scratch = Path(tempfile.mkdtemp(prefix="shardlib-grade-"))
+    started = time.monotonic()
+    why_not_run = "not run"
+    try:
+        sandbox = make_sandbox(scratch, [path.resolve().parent, *hide], memory_gib, processes, isolation)
+        report.isolation = sandbox.describe()
+        with Kernel(sandbox) as kernel:
+            why_not_run = _run(kernel, Verifier(cells), cells, checks, report, started + timeout, cell_timeout,
+                               timeout, progress)
+    except GraderStopped as stopped:
+        report.outcome, report.detail = "stopped", f"the grader was stopped by {stopped}"
+        why_not_run = f"not run ({report.detail})"
+    except RuntimeError as error:  # the kernel did not start, or the baseline could not be taken
+        report.outcome, report.detail = "error", str(error)
+        why_not_run = f"not run ({error})"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    for check in report.checks:
+        if check.status == "not run" and not check.message:
+            check.message = why_not_run
+    if report.outcome == "tampered":
+        for check in report.checks:
+            check.status, check.message = "tampered", "the notebook changed what the checks rely on (see above)"
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _run(kernel: Kernel, verifier: Verifier, cells, checks: dict, report: Report, deadline: float,
+         cell_timeout: float, timeout: float, progress: bool) -> str:
+    """Run the cells; return why the cells left did not run."""
+    code, expressions, nonce = verifier.request(baseline=True)
+    baseline = kernel.run(code, VERIFY_TIMEOUT_S, silent=True, user_expressions=expressions)
+    state = verifier.parse(baseline, nonce)
+    if state is None:
+        raise RuntimeError(f"the grader could not take its baseline in the kernel ({baseline.status}: "
+                           f"{error_message(baseline.ename, baseline.evalue) if baseline.ename else 'no state'})")
+    verifier.start(state)
+    for index, cell_role, source in cells:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            report.outcome, report.detail = "timed out", f"the notebook ran past the grader's limit of {timeout:g} s"
+            return f"not run ({report.detail})"
+        limit = min(cell_timeout, left)
+        run = kernel.run(source, limit)
+        _record(index, cell_role, run, limit, checks, report)
+        if progress:
+            print(f"  cell {index} ({cell_role}): {run.status} in {run.seconds:.1f} s", file=sys.stderr, flush=True)
+        if run.status == "died":
+            reason = kernel.died_why()
+            report.outcome = "out of memory" if reason.startswith("out of memory") else "kernel died"
+            report.detail = f"the kernel died in cell {index}: {reason}"
+            if index in checks:
+                checks[index].status, checks[index].message = report.outcome, reason
+            return f"not run (the kernel died in cell {index})"
+        if run.status == "unresponsive":
+            report.outcome = "unresponsive"
+            report.detail = (f"cell {index} ran past the limit and ignored the interrupt for "
+                             f"{run.seconds - limit:.0f} s: the kernel was killed")
+            return f"not run (kernel unresponsive after cell {index})"
+        code, expressions, nonce = verifier.request()
+        verified = kernel.run(code, VERIFY_TIMEOUT_S, silent=True, user_expressions=expressions)
+        state = verifier.parse(verified, nonce)
+        found = list(kernel.anomalies)
+        if state is None and verified.status == "died":
+            report.outcome, report.detail = "kernel died", f"the kernel died after cell {index}: {kernel.died_why()}"
+            return f"not run (the kernel died after cell {index})"
+        if state is None:
+            found.append(f"the grader's verification did not run after it ({verified.status})")
+        else:
+            found += verifier.after(state, index, cell_role)
+        if found:
+            report.outcome = "tampered"
+            report.detail = f"cell {index} ({cell_role}) changed what the checks rely on"
+            report.tampering = [f"cell {index} ({cell_role}): {what}" for what in found[:20]]
+            return "not run (tampered)"
+    return "not run"
+
+
+def _record(index: int, cell_role: str, run: Run, limit: float, checks: dict, report: Report) -> None:
+    if run.status == "ok":
+        status, message = "passed", run.last_line()
+    elif run.status == "error":
+        message = error_message(run.ename, run.evalue)
+        status = "out of memory" if any(mark in message for mark in OOM_MARKS) else "failed"
+    elif run.status in ("timed out", "unresponsive"):
+        status = "timed out"
+        message = f"the cell ran past the grader's limit of {limit:g} s" + (
+            " and ignored the interrupt" if run.status == "unresponsive" else "")
+    else:
+        return  # died: the caller says why
+    if index in checks:
+        checks[index].status, checks[index].message, checks[index].seconds = status, message, run.seconds
+    elif status != "passed":
+        report.errors.append({"cell": index, "status": status, "message": message})
