@@ -23,8 +23,11 @@ Every lab cell carries nbgrader's cell metadata (schema 3, https://nbgrader.read
 contributor_guide/metadata.html), so an instructor can hand the labs to nbgrader as they are:
 
     cell with a solution region   solution cell, grade_id answer-K
-    cell tagged `check`           autograded test, grade_id check-K, locked, `points` (default 1; a
-                                  solution's check cell sets its own with metadata {"nbgrader": {"points": 2}})
+    cell tagged `check`           autograded test, locked, `points` (default 1; a solution's check cell
+                                  sets its own with metadata {"nbgrader": {"points": 2}}); grade_id check-K,
+                                  written into the solution's own check cell the first time (and kept there),
+                                  so the answer key and the lab carry the same ids and
+                                  `grade solutions/X --release labs/X` gives the answer key full marks
     every other cell              read-only (locked), grade_id cell-I (I: its index in the solution)
 
 Check cells are also marked not editable and not deletable (JupyterLab honours that), answer cells
@@ -36,6 +39,9 @@ learner opens one at a time. Text before the first heading stays visible.
 
 Solutions are named NN_name.ipynb (the short labs, NN the lesson) or pN_name.ipynb (project labs,
 sorted after them).
+
+A release without the solutions (`python -m shardlib lessons DIR --no-solutions`, or an install built
+without them) gets RELEASED_NOTE on top of each lab instead of NOTE, which links to the solution.
 
 The output is deterministic (the JSON layout Jupyter itself writes), so regenerating an
 unchanged solution gives identical bytes and `python -m shardlib labs --check` can tell
@@ -71,6 +77,12 @@ NOTE = """\
 > the top. The cells tagged `check` hold your code against a reference: they fail until
 > your code is right, and pass when it is. `python -m shardlib grade labs/{name}` runs
 > the whole lab in a fresh kernel and prints your score. Stuck? The worked answer is in `{source}`.
+"""
+RELEASED_NOTE = """\
+> Replace each `raise NotImplementedError(...)` with your code, then run the notebook from
+> the top. The cells tagged `check` hold your code against a reference: they fail until
+> your code is right, and pass when it is. `python -m shardlib grade labs/{name}` runs
+> the whole lab in a fresh kernel and prints your score.
 """
 
 
@@ -206,7 +218,7 @@ def note_cell(source: str) -> dict:
 def graded_cells(solution: dict, source: str, keep_solutions: bool = False) -> tuple[list[dict], int]:
     """The cells of the lab (or, keep_solutions=True, of nbgrader's source version), with their
     nbgrader metadata; and the number of solution regions."""
-    cells, regions, counts = [], 0, {"answer": 0, "check": 0}
+    cells, regions, counts, seen = [], 0, {"answer": 0, "check": 0}, set()
     for index, cell in enumerate(solution["cells"]):
         if SOLUTION_ONLY_TAG in cell_tags(cell):
             continue
@@ -216,11 +228,52 @@ def graded_cells(solution: dict, source: str, keep_solutions: bool = False) -> t
         if kind in counts:
             counts[kind] += 1
         grade_id = f"{kind}-{counts[kind]}" if kind in counts else f"cell-{index}"
+        if kind == "check":
+            grade_id = stored_grade_id(cell, where) or grade_id
+            if grade_id in seen:
+                raise LabError(f"{where}: grade id {grade_id!r} is used twice; give each check its own")
+            seen.add(grade_id)
         if keep_solutions and cell["cell_type"] == "code":
             new = dict(new, source=as_lines(source_text(cell)))
         cells.append(with_grading_metadata(new, cell, kind, grade_id, where))
         regions += found
     return cells, regions
+
+
+def stored_grade_id(cell: dict, where: str) -> str | None:
+    found = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
+    if found is not None and not (isinstance(found, str) and re.fullmatch(r"[A-Za-z0-9_-]+", found)):
+        raise LabError(f"{where}: grade_id must be letters, digits, - and _, got {found!r}")
+    return found
+
+
+def with_check_grade_ids(solution: dict, source: str) -> dict | None:
+    """The solution with each check cell's grade id written into its metadata; None when all are there."""
+    lab_checks = [cell for cell in graded_cells(solution, source)[0] if cell["metadata"]["nbgrader"]["grade"]]
+    checks = [cell for cell in solution["cells"]
+              if CHECK_TAG in cell_tags(cell) and SOLUTION_ONLY_TAG not in cell_tags(cell)]
+    if all(stored_grade_id(cell, source) for cell in checks):
+        return None
+    stamped = copy.deepcopy(solution)
+    targets = [cell for cell in stamped["cells"]
+               if CHECK_TAG in cell_tags(cell) and SOLUTION_ONLY_TAG not in cell_tags(cell)]
+    for cell, generated in zip(targets, lab_checks):
+        grading = cell.setdefault("metadata", {}).setdefault("nbgrader", {})
+        grading["grade_id"] = generated["metadata"]["nbgrader"]["grade_id"]
+    return stamped
+
+
+def released(lab: dict) -> dict:
+    """The lab as handed out without the solutions: its note names no solution."""
+    cells = [dict(cell, source=as_lines(RELEASED_NOTE.format(name=lab_name(lab))))
+             if cell.get("id") == NOTE_CELL_ID else cell for cell in lab["cells"]]
+    return dict(lab, cells=cells)
+
+
+def lab_name(lab: dict) -> str:
+    note = next((source_text(cell) for cell in lab["cells"] if cell.get("id") == NOTE_CELL_ID), "")
+    found = re.search(r"grade labs/(\S+?\.ipynb)", note)
+    return found.group(1) if found else "LAB.ipynb"
 
 
 def make_lab(solution: dict, source: str) -> dict:
@@ -283,6 +336,22 @@ def stale_labs(solutions_dir: Path, labs_dir: Path, root: Path = REPO_ROOT) -> l
     return stale
 
 
+def unstamped_solutions(solutions_dir: Path) -> list[Path]:
+    """Solutions with a check cell that has no grade id yet (`python -m shardlib labs` writes them)."""
+    return [path for path in solution_paths(solutions_dir)
+            if with_check_grade_ids(json.loads(path.read_text(encoding="utf-8")), path.name) is not None]
+
+
+def stamp_solutions(solutions_dir: Path) -> list[Path]:
+    """Write the check cells' grade ids into the solutions that lack them (metadata only)."""
+    stamped = []
+    for path in unstamped_solutions(solutions_dir):
+        solution = with_check_grade_ids(json.loads(path.read_text(encoding="utf-8")), path.name)
+        path.write_text(dumps(solution), encoding="utf-8", newline="\n")
+        stamped.append(path)
+    return stamped
+
+
 def orphan_labs(solutions_dir: Path, labs_dir: Path) -> list[Path]:
     """Notebooks in labs/ with no solution to generate them from."""
     names = {path.name for path in solution_paths(solutions_dir)}
@@ -296,7 +365,9 @@ def has_learner_work(lab_path: Path) -> bool:
 
 
 def write_labs(solutions_dir: Path, labs_dir: Path, root: Path = REPO_ROOT, force: bool = False) -> list[Path]:
-    """(Re)write every stale lab; return the labs written. Raises LabError on learner work."""
+    """(Re)write every stale lab, after writing missing check grade ids into the solutions; return the files
+    written. Raises LabError on learner work."""
+    stamped = stamp_solutions(solutions_dir)
     stale = stale_labs(solutions_dir, labs_dir, root)
     kept = [path for path in stale if path.exists() and has_learner_work(path)]
     if kept and not force:
@@ -307,7 +378,7 @@ def write_labs(solutions_dir: Path, labs_dir: Path, root: Path = REPO_ROOT, forc
     for lab_path in stale:
         solution_path = solutions_dir / lab_path.name
         lab_path.write_text(generate_text(solution_path, root), encoding="utf-8", newline="\n")
-    return stale
+    return stamped + stale
 
 
 def write_nbgrader_sources(solutions_dir: Path, course_dir: Path, root: Path = REPO_ROOT) -> list[Path]:
@@ -365,7 +436,8 @@ def main(check: bool = False, force: bool = False, root: Path | None = None, as_
         return _report(report, as_json, 1)
     try:
         if check:
-            report["stale"] = [str(p.relative_to(root)) for p in stale_labs(solutions_dir, labs_dir, root)]
+            report["stale"] = [str(p.relative_to(root)) for p in stale_labs(solutions_dir, labs_dir, root)
+                               + unstamped_solutions(solutions_dir)]
             report["orphans"] = [str(p.relative_to(root)) for p in orphan_labs(solutions_dir, labs_dir)]
             return _report(report, as_json, 1 if report["stale"] or report["orphans"] else 0)
         report["written"] = [str(p.relative_to(root)) for p in write_labs(solutions_dir, labs_dir, root, force=force)]

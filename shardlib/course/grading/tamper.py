@@ -77,6 +77,9 @@ def _shardlib_grader_state(chains, import_source, nonce):
                 return where + " absent"
         return where + " " + fp(obj)
 
+    private = {}
+    if import_source is not None:  # the baseline: first import what the released cells import
+        exec(import_source, private)
     shell = get_ipython()
     kernel = getattr(shell, "kernel", None)
     out = {"nonce": nonce}
@@ -85,7 +88,13 @@ def _shardlib_grader_state(chains, import_source, nonce):
               "transformer manager": getattr(shell, "input_transformer_manager", None),
               "prefilter": getattr(shell, "prefilter_manager", None), "events": getattr(shell, "events", None)}
     for label, owner in owners.items():
-        for name in dir(owner) if owner is not None else ():
+        if owner is None:
+            continue
+        for cls in type(owner).__mro__:  # a base class patched is as good as the class itself
+            for name, value in list(vars(cls).items()):
+                if callable(value) or isinstance(value, (staticmethod, classmethod, property)):
+                    out["%s %s.%s" % (label, cls.__qualname__, name)] = fp(value)
+        for name in dir(owner):  # what a lookup on the object finds: an attribute set on it shadows its class's
             try:
                 value = static(owner, name)
             except AttributeError:
@@ -127,16 +136,16 @@ def _shardlib_grader_state(chains, import_source, nonce):
     if torch is not None:
         classes += [torch.Tensor, torch._C.TensorBase]
     for cls in classes:
-        for name, value in list(vars(cls).items()):
-            out["class %s.%s.%s" % (cls.__module__, cls.__qualname__, name)] = fp(value)
+        for name in dir(cls):
+            try:
+                out["class %s.%s.%s" % (cls.__module__, cls.__qualname__, name)] = fp(static(cls, name))
+            except AttributeError:
+                pass
     for chain in chains:
         out["name " + chain] = resolve(shell.user_ns, chain)
-    if import_source is not None:
-        private = {}
-        exec(import_source, private)
-        for chain in chains:
-            if chain.split(".")[0] in private:
-                out["pristine " + chain] = resolve(private, chain)
+    for chain in chains:
+        if chain.split(".")[0] in private:
+            out["pristine " + chain] = resolve(private, chain)
     return json.dumps(out)
 '''
 
