@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     lessons = commands.add_parser("lessons", help="write the lessons, labs, solutions and configs into a folder")
     lessons.add_argument("dir", help="the folder to write into (created if missing)")
     lessons.add_argument("--force", action="store_true", help="overwrite files that differ (someone's work)")
+    lessons.add_argument("--no-solutions", action="store_true",
+                         help="leave out solutions/ (a release for learners: the labs' notes name no solution)")
 
     commands.add_parser("trace", help="one step of a technique under torch.profiler, every rank, merged (trace --help)")
     commands.add_parser("plan", help="rank dp/tp/pp/ZeRO layouts for a model on a cluster (plan --help)")
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "lessons":
         from shardlib.course import export
 
-        return export.main(args.dir, force=args.force)
+        return export.main(args.dir, force=args.force, solutions=not args.no_solutions)
     return 2
 
 

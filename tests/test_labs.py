@@ -19,7 +19,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
-from shardlib.course import grade, labgen
+from shardlib.course import grading, labgen
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = labgen.solution_paths(REPO_ROOT / "solutions")
@@ -62,16 +62,16 @@ def check_cells(notebook) -> list[tuple[int, dict]]:
             if cell["cell_type"] == "code" and labgen.CHECK_TAG in labgen.cell_tags(cell)]
 
 
-def checks_that_pass_on_stub(lab) -> list[str]:
-    """Problems with an executed lab: check cells that did not fail, or failed for a broken lab."""
+def checks_that_pass_on_stub(report) -> list[str]:
+    """Problems with the graded lab: check cells that did not fail, or failed for a broken lab."""
     problems = []
-    for index, cell in check_cells(lab):
-        name = error_name(cell)
-        if name is None:
-            problems.append(f"check cell {index} passes on the unsolved lab: it cannot catch a wrong answer")
-        elif name in BROKEN_LAB_ERRORS:
-            problems.append(f"check cell {index} fails with {name}, before reaching the learner's code; "
-                            "keep the learner's code inside functions so the rest of the lab still runs")
+    for check in report.checks:
+        name = check.message.split(":", 1)[0]
+        if check.passed:
+            problems.append(f"check cell {check.cell} passes on the unsolved lab: it cannot catch a wrong answer")
+        elif check.status != "failed" or name in BROKEN_LAB_ERRORS:
+            problems.append(f"check cell {check.cell} ends as {check.status!r} ({check.message}), before reaching "
+                            "the learner's code; keep the learner's code inside functions so the rest of the lab runs")
     return problems
 
 
@@ -108,23 +108,26 @@ def test_labs_are_generated_from_solutions():
     assert not orphans, f"labs without a solution to generate them from: {orphans}"
 
 
-@pytest.mark.slow  # runs the lab and its solution in a kernel
+@pytest.mark.slow  # runs the lab and its solution in a kernel, each once, through the grader
 @pytest.mark.parametrize("solution_path", SOLUTIONS, ids=[path.stem for path in SOLUTIONS])
-def test_checks_fail_on_lab_and_pass_on_solution(solution_path: Path):
-    lab = json.loads(labgen.generate_text(solution_path, REPO_ROOT))
-    assert check_cells(lab), f"{solution_path.name}: no cell tagged `check`, so nothing checks the learner's code"
+def test_checks_fail_on_lab_and_the_answer_key_gets_full_marks_against_it(solution_path: Path, tmp_path: Path):
+    """The lab as released, graded: every check fails (for the learner's missing code, not a broken lab).
+    The solution graded against that release (`grade solutions/X --release labs/X`): every cell of the
+    solution runs, none raises, and every check passes, with tamper verification after every cell."""
+    lab_path = tmp_path / solution_path.name
+    lab_path.write_text(labgen.generate_text(solution_path, REPO_ROOT), encoding="utf-8")
+    assert check_cells(json.loads(lab_path.read_text(encoding="utf-8"))), \
+        f"{solution_path.name}: no cell tagged `check`, so nothing checks the learner's code"
 
-    executed_lab = execute(lab, cwd=REPO_ROOT / "labs")
-    assert not checks_that_pass_on_stub(executed_lab), checks_that_pass_on_stub(executed_lab)
-    stub = grade.score(executed_lab)  # what `python -m shardlib grade` reports for the unsolved lab
-    assert stub.max_score > 0 and stub.score == 0, grade.format_report(stub)
+    stub = grading.grade(lab_path, release=lab_path)
+    problems = checks_that_pass_on_stub(stub)
+    assert not problems and stub.max_score > 0 and stub.score == 0, (problems, grading.format_report(stub))
 
-    solution = json.loads(solution_path.read_text(encoding="utf-8"))
-    executed_solution = execute(solution, cwd=solution_path.parent)
-    assert not cells_that_fail(executed_solution), cells_that_fail(executed_solution)
-    assert len(check_cells(executed_solution)) >= len(check_cells(lab))
-    solved = grade.score(executed_solution)
-    assert solved.passed and solved.max_score == stub.max_score, grade.format_report(solved)
+    solved = grading.grade(solution_path, release=lab_path)
+    print(f"answer key {solution_path.name} against its release: {solved.score:g} / {solved.max_score:g} "
+          f"in {solved.seconds:.0f} s ({solved.outcome}; isolation {solved.isolation.split(':')[0]})")
+    assert solved.outcome == "completed" and not solved.errors, grading.format_report(solved)
+    assert solved.passed and solved.max_score == stub.max_score, grading.format_report(solved)
 
 
 @pytest.mark.slow  # starts kernels
@@ -141,9 +144,11 @@ def test_a_check_that_cannot_fail_is_caught(tmp_path: Path):
     ])
     path = tmp_path / "99_double.ipynb"
     path.write_text(nbformat.writes(solution), encoding="utf-8")
-    lab = execute(json.loads(labgen.generate_text(path, tmp_path)), cwd=tmp_path)
-    assert [error_name(c) for _, c in check_cells(lab)] == ["NotImplementedError", None, "NameError"]
-    problems = checks_that_pass_on_stub(lab)
+    lab_path = tmp_path / "lab.ipynb"
+    lab_path.write_text(labgen.generate_text(path, tmp_path), encoding="utf-8")
+    report = grading.grade(lab_path, release=lab_path)
+    assert [c.message.split(":")[0] for c in report.checks] == ["NotImplementedError", "", "NameError"], report
+    problems = checks_that_pass_on_stub(report)
     assert len(problems) == 2 and "cell 3 passes" in problems[0] and "NameError" in problems[1], problems
     assert cells_that_fail(execute(solution, cwd=tmp_path)) == [
         "cell 3 raised NameError: 'assert undefined_name'"]

@@ -12,13 +12,18 @@ A wheel carries the notebooks inside the package (shardlib/course/notebooks, ...
 a checkout reads them from the repository's own folders. A file that already exists with other
 content (someone's work) is left alone unless `force`.
 
+Without the solutions (`--no-solutions`, or an install built without them: a classroom install,
+`SHARDLIB_WITHOUT_SOLUTIONS=1 pip install ...`, see setup.py) nothing is written into solutions/ and
+each lab's note on top names no solution (labgen.RELEASED_NOTE), so no link in the release points
+at a file it does not have.
+
 SETUP_CELL is the first code cell of every lesson: on a cloud notebook without the course it
 installs it; where shardlib imports, it does nothing.
 """
 
 from __future__ import annotations
 
-import shutil
+import json
 from importlib import resources
 from pathlib import Path
 
@@ -52,35 +57,55 @@ def course_folder(name: str) -> Path:
                             "install it from a wheel or from the repository (pip install git+URL)")
 
 
-def _files(target: Path) -> list[tuple[Path, Path]]:
-    """(source, destination) pairs of everything `lessons` writes."""
+def has_solutions() -> bool:
+    try:
+        course_folder("solutions")
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _released_lab(path: Path) -> bytes:
+    from shardlib.course import labgen
+
+    return labgen.dumps(labgen.released(json.loads(path.read_text(encoding="utf-8")))).encode("utf-8")
+
+
+def _files(target: Path, solutions: bool) -> list[tuple[Path, Path, bytes]]:
+    """(destination, source, content) of everything `lessons` writes."""
     from shardlib.resources import config_names, config_path
 
-    pairs = [(path, target / name / path.name) for name in FOLDERS
-             for path in sorted(course_folder(name).glob("*.ipynb"))]
-    pairs += [(config_path(name), target / "configs" / name) for name in config_names()]
-    return pairs
+    files = []
+    for name in FOLDERS if solutions else ("notebooks", "labs"):
+        for path in sorted(course_folder(name).glob("*.ipynb")):
+            content = _released_lab(path) if name == "labs" and not solutions else path.read_bytes()
+            files.append((target / name / path.name, path, content))
+    files += [(target / "configs" / name, config_path(name), config_path(name).read_bytes()) for name in config_names()]
+    return files
 
 
-def write_lessons(target: str | Path, force: bool = False) -> tuple[list[Path], list[Path]]:
-    """Copy the course into `target`; return (written, kept): kept files differ and were not overwritten."""
+def write_lessons(target: str | Path, force: bool = False,
+                  solutions: bool | None = None) -> tuple[list[Path], list[Path]]:
+    """Copy the course into `target`; return (written, kept): kept files differ and were not overwritten.
+    solutions: write them (default: when this install has them); without, the labs' notes name none."""
     target = Path(target)
+    solutions = has_solutions() if solutions is None else solutions and has_solutions()
     written, kept = [], []
-    for source, destination in _files(target):
-        if destination.exists() and destination.read_bytes() == source.read_bytes():
+    for destination, _, content in _files(target, solutions):
+        if destination.exists() and destination.read_bytes() == content:
             continue
         if destination.exists() and not force:
             kept.append(destination)
             continue
         destination.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, destination)
+        destination.write_bytes(content)
         written.append(destination)
     return written, kept
 
 
-def main(target: str, force: bool = False) -> int:
+def main(target: str, force: bool = False, solutions: bool = True) -> int:
     try:
-        written, kept = write_lessons(target, force)
+        written, kept = write_lessons(target, force, solutions=None if solutions else False)
     except (FileNotFoundError, OSError) as error:
         print(f"error: {error}")
         return 1
@@ -88,7 +113,9 @@ def main(target: str, force: bool = False) -> int:
     for path in kept:
         print(f"kept {path.relative_to(root)}: it differs from the course's copy (your work?); --force overwrites it")
     lessons = sorted((root / "notebooks").glob("*.ipynb"))
-    print(f"wrote {len(written)} files into {target}: {len(lessons)} lessons in notebooks/, labs/, solutions/, configs/")
+    folders = "notebooks/, labs/, solutions/, configs/" if (root / "solutions").is_dir() else \
+        "notebooks/, labs/, configs/ (no solutions)"
+    print(f"wrote {len(written)} files into {target}: {len(lessons)} lessons in {folders}")
     if lessons:
         print(f"open {root / 'notebooks' / lessons[0].name} to start (jupyter lab {root})")
     return 0
