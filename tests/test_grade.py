@@ -1,71 +1,23 @@
-"""`python -m shardlib grade`: scores, messages, hangs, crashes, and real labs with planted mistakes.
+"""`python -m shardlib grade`: release merging, bad input, scoring, a class, and real labs with planted mistakes.
 
 The scores expected here come from the labs' own metadata (points per check) and from reading what
-each planted mistake breaks, never from running the grader first.
+each planted mistake breaks, never from running the grader first. The sandbox, tampering, dying,
+forking and hanging notebooks are in tests/test_grade_sandbox.py.
 """
 
 from __future__ import annotations
 
+import csv
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import nbformat
-import psutil
 import pytest
 
-from shardlib.course import grade, labgen
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-GRADE_LIMIT_S = 900  # the test's own guard: a grader that hangs fails here instead of hanging the suite
-
-
-def code(source: str, check: bool = False, points: float | None = None):
-    metadata = {"tags": ["check"]} if check else {}
-    if points is not None:
-        metadata["nbgrader"] = {"grade": True, "grade_id": f"worth-{points}", "points": points}
-    return nbformat.v4.new_code_cell(source, metadata=metadata)
-
-
-def write(folder: Path, name: str, cells) -> Path:
-    path = folder / name
-    nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
-    return path
-
-
-def run_grader(path: Path, *options: str) -> tuple[int, dict]:
-    """The command, in a fresh process, as an instructor runs it; returns (exit code, its JSON)."""
-    done = subprocess.run([sys.executable, "-m", "shardlib", "grade", str(path), "--json", *options],
-                          capture_output=True, text=True, timeout=GRADE_LIMIT_S, cwd=REPO_ROOT)
-    assert done.stdout.strip(), f"no output; stderr:\n{done.stderr[-3000:]}"
-    return done.returncode, json.loads(done.stdout)
-
-
-def statuses(report: dict) -> dict[str, str]:
-    return {check["grade_id"]: check["status"] for check in report["checks"]}
-
-
-# ---------------------------------------------------------------------------------
-# scoring, on notebooks whose outputs are written here (no kernel)
-
-
-def executed(cells_and_outputs):
-    cells = []
-    for cell, outputs in cells_and_outputs:
-        if cell.cell_type == "code":
-            cell.outputs, cell.execution_count = outputs, 1
-        cells.append(cell)
-    return nbformat.v4.new_notebook(cells=cells)
-
-
-def stream(text):
-    return nbformat.v4.new_output("stream", name="stdout", text=text)
-
-
-def error(ename, evalue):
-    return nbformat.v4.new_output("error", ename=ename, evalue=evalue, traceback=[])
-
+from grade_helpers import REPO_ROOT, code, run_grader, statuses, submit, write_lab
+from shardlib.course import labgen
+from shardlib.course.grading import cli, report
+from shardlib.course.grading.notebook import against_release, read_notebook, role
 
 RANK_ERROR = ("rank 1 failed; its traceback follows.\n\nTraceback (most recent call last):\n"
               "  File \"launch.py\", line 224, in _rank_main\n    result = fn(*args)\n"
@@ -73,137 +25,124 @@ RANK_ERROR = ("rank 1 failed; its traceback follows.\n\nTraceback (most recent c
               "rank 1 stopped.)")
 
 
-def test_score_counts_points_of_passing_checks_and_names_failures():
-    notebook = executed([
-        (code("x = 1"), [stream("setup\n")]),
-        (code("assert x == 1", check=True), [stream("first line\nx is one\n")]),
-        (code("assert x == 2", check=True, points=3), [error("AssertionError", "x is 1, expected 2")]),
-        (code("1 / 0"), [error("ZeroDivisionError", "division by zero")]),
-        (code("launch()", check=True, points=2), [error("RankError", RANK_ERROR)]),
-        (nbformat.v4.new_markdown_cell("text"), []),
-    ])
-    report = grade.score(notebook, name="lab.ipynb")
-    assert (report.score, report.max_score, report.passed) == (1, 6, False)
-    assert [(c.grade_id, c.cell, c.points, c.status) for c in report.checks] == [
-        ("cell-1", 1, 1, "passed"), ("worth-3", 2, 3, "failed"), ("worth-2", 4, 2, "failed")]
-    assert report.checks[0].message == "x is one"  # the last line the check printed
-    assert report.checks[1].message == "AssertionError: x is 1, expected 2"
-    assert report.checks[2].message == ("RankError: rank 1 failed; its traceback follows. ... "
-                                        "AssertionError: N=2: rank 1 sent 3 elements, expected 4")
-    assert report.errors == [{"cell": 3, "status": "failed", "message": "ZeroDivisionError: division by zero"}]
-    text = grade.format_report(report)
-    assert "Score: 1 / 6 points (1 of 3 checks passed)" in text and "FAIL  worth-3" in text, text
+def test_messages_name_the_cause_and_are_capped():
+    assert report.error_message("RankError", RANK_ERROR) == (
+        "RankError: rank 1 failed; its traceback follows. ... AssertionError: N=2: rank 1 sent 3 elements, expected 4")
+    huge = report.error_message("AssertionError", "x" * 50_000_000)
+    assert len(huge) == report.MESSAGE_LIMIT and huge.endswith("..."), len(huge)
 
 
-def test_cells_that_did_not_run_or_timed_out_fail_as_such():
-    notebook = executed([(code("a", check=True), []), (code("b", check=True), []), (code("c", check=True), [])])
-    report = grade.score(notebook, ran={0, 1}, timed_out={1: 30}, not_run_reason="the kernel died in cell 1")
-    assert [(c.status, c.passed) for c in report.checks] == [("passed", True), ("timed out", False), ("not run", False)]
-    assert "30 s" in report.checks[1].message and report.checks[2].message == "the kernel died in cell 1"
+def test_the_release_restores_checks_and_locked_cells_and_keeps_only_the_answers(tmp_path: Path):
+    lab = read_notebook(write_lab(tmp_path))
+    mine = read_notebook(submit(write_lab(tmp_path), tmp_path / "learner", answer="def double(x):\n    return 2 * x",
+                                added=["print('my own cell')"]))
+    roles = [role(cell) for cell in mine.cells]
+    setup, answer, first_check = roles.index("locked", 1), roles.index("answer"), roles.index("check")
+    mine.cells[setup].source = "import torch\nimport shardlib\nTOL = 1e9  # edited\ndef helper(x):\n    return x"
+    mine.cells[first_check].source = "pass  # edited by the learner"
+    mine.cells[first_check].metadata["nbgrader"]["points"] = 100
+    del mine.cells[first_check + 1]  # the second check, deleted
+    mine.cells.insert(0, mine.cells.pop(answer))  # the answer moved to the top
+    graded = against_release(mine, lab)
+    kept = [(role(c), c.source) for c in graded.cells if c.cell_type == "code"]
+    released = [(role(c), c.source) for c in lab.cells if c.cell_type == "code"]
+    # the learner's own cell stays after the released cell it followed; the rest is in the released order
+    assert [r for r, _ in kept] == ["locked", "learner", "answer", "check", "check"], kept
+    assert kept[0] == released[0] and kept[3:] == released[2:], "locked cells and checks are the released ones"
+    assert kept[2] == ("answer", "def double(x):\n    return 2 * x") and kept[1][1] == "print('my own cell')"
+    assert all(cell.metadata["nbgrader"].get("points", 1) == 1 for cell in graded.cells if role(cell) == "check")
+    forged = nbformat.v4.new_notebook(cells=[code("print('a check of my own')", ["check"])])
+    assert [role(c) for c in against_release(forged, lab).cells if c.cell_type == "code"][-1] == "check"
+    assert role(against_release(forged, lab).cells[0]) == "learner", "a learner's own check counts for nothing"
 
 
-def test_nbgrader_grade_cells_count_without_the_tag():
-    cell = nbformat.v4.new_code_cell("pass", metadata={"nbgrader": {"grade": True, "solution": False,
-                                                                    "grade_id": "t1", "points": 4}})
-    answer = nbformat.v4.new_code_cell("pass", metadata={"nbgrader": {"grade": True, "solution": True,
-                                                                      "grade_id": "manual", "points": 2}})
-    report = grade.score(executed([(cell, []), (answer, [])]))
-    assert [(c.grade_id, c.points) for c in report.checks] == [("t1", 4)]  # a manually graded answer is not a check
+def not_a_notebook(folder: Path, text: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "bad.ipynb"
+    path.write_text(text, encoding="utf-8")
+    return path
 
 
-def test_release_restores_edited_checks_and_scores_deleted_ones_zero():
-    released = nbformat.v4.new_notebook(cells=[
-        code("x = 0"), code("assert x == 1, 'x'", check=True, points=2), code("assert x == 3", check=True, points=5)])
-    released.cells[2].metadata["nbgrader"]["grade_id"] = "second"
-    submitted = nbformat.v4.new_notebook(cells=[
-        code("x = 0"), code("assert True  # edited by the learner", check=True, points=2),
-        code("print('my own check')", check=True)])
-    missing = grade.apply_release(submitted, released)
-    assert submitted.cells[1].source == "assert x == 1, 'x'"  # the released check is back
-    assert not grade.is_check(submitted.cells[2])  # a check the release does not have counts for nothing
-    assert [(m.grade_id, m.points, m.status) for m in missing] == [("second", 5, "missing")]
+BAD_NOTEBOOKS = {
+    "empty list": "[]", "null": "null", "no cells": "{}", "not JSON": "{not json",
+    "source a number": json.dumps({"cells": [{"cell_type": "code", "source": 5, "metadata": {}, "outputs": [],
+                                              "execution_count": None}], "metadata": {}, "nbformat": 4,
+                                   "nbformat_minor": 5}),
+    "cells not a list": json.dumps({"cells": 3, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}),
+}
+BAD_OPTIONS = {
+    "timeout nan": ["--timeout", "nan"], "timeout inf": ["--timeout", "inf"], "timeout zero": ["--timeout", "0"],
+    "cell timeout negative": ["--cell-timeout", "-1"], "memory nan": ["--memory", "nan"],
+    "processes few": ["--processes", "2"], "unknown option": ["--frobnicate"], "jobs zero": ["--jobs", "0"],
+    "isolation unknown": ["--isolation", "docker"], "out without class": ["--out", "results"],
+}
+
+
+@pytest.mark.parametrize("as_json", [True, False], ids=["json", "text"])
+def test_every_bad_input_exits_2_with_one_line(tmp_path: Path, capsys, as_json: bool):
+    lab = write_lab(tmp_path)
+    cases = {name: [str(not_a_notebook(tmp_path / name, text))] for name, text in BAD_NOTEBOOKS.items()}
+    cases.update({name: [str(lab), *options] for name, options in BAD_OPTIONS.items()})
+    no_checks = tmp_path / "no checks.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[code("x = 1")]), no_checks)
+    cases.update({"missing notebook": [str(tmp_path / "missing.ipynb")], "a folder": [str(tmp_path)],
+                  "bad release": [str(lab), "--release", str(not_a_notebook(tmp_path / "r", "[]"))],
+                  "release without checks": [str(lab), "--release", str(no_checks)],
+                  "nothing to grade": [], "class without release": ["--class", str(tmp_path), "--out", "x"],
+                  "results inside the submissions": ["--class", str(tmp_path), "--release", str(tmp_path),
+                                                     "--out", str(tmp_path / "results")]})
+    for name, argv in cases.items():
+        assert cli.main(argv + (["--json"] if as_json else [])) == 2, name
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert len(lines) == 1, f"{name}: {lines}"
+        message = json.loads(lines[0])["error"] if as_json else lines[0]
+        assert message and "Traceback" not in message and (as_json or message.startswith("error: ")), (name, message)
+
+
+@pytest.mark.slow
+def test_a_notebook_is_scored_from_the_kernels_replies(tmp_path: Path):
+    path = tmp_path / "mixed.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[
+        code("x = 1"), code("assert x == 1, 'x'\nprint('x is one')", ["check"]),
+        code("print('a line printed before the error')\nassert x == 2, f'x is {x}, expected 2'", ["check"]),
+        code("1 / 0"), code("print('y' * 50_000_000)\nprint('after a failure')", ["check"])]), path)
+    returncode, found, _ = run_grader(path)
+    assert returncode == 1 and (found["score"], found["max_score"]) == (2, 3), found
+    assert [c["status"] for c in found["checks"]] == ["passed", "failed", "passed"], found
+    assert found["checks"][1]["message"] == "AssertionError: x is 1, expected 2"
+    assert found["checks"][2]["message"] == "after a failure"
+    assert found["errors"] == [{"cell": 3, "status": "failed", "message": "ZeroDivisionError: division by zero"}]
+    assert len(json.dumps(found)) < 20_000, "a check printing 50 MB must not make a 50 MB report"
+
+
+@pytest.mark.slow
+def test_a_class_is_graded_into_reports_and_scores_outside_the_submissions(tmp_path: Path):
+    release = tmp_path / "release" / "labs"
+    lab = write_lab(release)
+    submissions = tmp_path / "submissions"
+    submit(lab, submissions / "alice")
+    submit(lab, submissions / "bob" / "week3", answer="def double(x):\n    return x + 2")  # right for 2 only
+    submit(lab, submissions / "carol", answer="import os\ndef double(x):\n    os._exit(3)")
+    (submissions / "dave").mkdir()
+    before = sorted(p.relative_to(submissions) for p in submissions.rglob("*"))
+    out = tmp_path / "results"
+    returncode, summary, seconds = run_grader("--class", submissions, "--release", release.parent, "--out", out,
+                                              "--jobs", "2")
+    rows = {row["learner"]: row for row in csv.DictReader(open(out / "scores.csv", encoding="utf-8"))}
+    assert {name: (row["score"], row["outcome"]) for name, row in rows.items()} == {
+        "alice": ("2", "completed"), "bob": ("1", "completed"), "carol": ("0", "kernel died"),
+        "dave": ("0", "not submitted")}, rows
+    assert returncode == 1 and [line.split(":")[0] for line in summary["did_not_run"]] == [f"carol/{lab.name}"]
+    assert summary["not_submitted"] == [f"dave/{lab.name}"], summary
+    assert sorted(p.relative_to(submissions) for p in submissions.rglob("*")) == before, "nothing written there"
+    bob = json.loads((out / "bob.json").read_text(encoding="utf-8"))
+    assert statuses(bob["labs"][0]) == {"check-1": "failed", "check-2": "passed"}, bob
+    assert "Score: 2 / 2 points" in (out / "alice.txt").read_text(encoding="utf-8")
+    print(f"a class of 4 (3 notebooks, 2 at once) graded in {seconds:.0f} s")
 
 
 # ---------------------------------------------------------------------------------
-# the command on small notebooks, each in a fresh kernel
-
-
-@pytest.mark.slow
-def test_command_runs_every_check_and_reports_json(tmp_path: Path):
-    path = write(tmp_path, "mixed.ipynb", [
-        code("x = 1"),
-        code("assert x == 1, 'x'\nprint('x is one')", check=True),
-        code("assert x == 2, f'x is {x}, expected 2'", check=True, points=3),
-        code("1 / 0"),
-        code("print('after a failure')", check=True),
-    ])
-    returncode, report = run_grader(path)
-    assert returncode == 1 and (report["score"], report["max_score"]) == (2, 5), report
-    assert [c["status"] for c in report["checks"]] == ["passed", "failed", "passed"], report
-    assert report["checks"][1]["message"] == "AssertionError: x is 1, expected 2"
-    assert report["errors"] == [{"cell": 3, "status": "failed", "message": "ZeroDivisionError: division by zero"}]
-    assert report["outcome"] == "completed"
-
-    passing = write(tmp_path, "passing.ipynb", [code("x = 1"), code("assert x == 1", check=True)])
-    done = subprocess.run([sys.executable, "-m", "shardlib", "grade", str(passing)], capture_output=True, text=True,
-                          timeout=GRADE_LIMIT_S, cwd=REPO_ROOT)
-    assert done.returncode == 0 and "Score: 1 / 1 points (1 of 1 checks passed)" in done.stdout, done.stdout
-
-
-@pytest.mark.slow
-def test_a_hanging_cell_is_interrupted_and_grading_goes_on(tmp_path: Path):
-    pid_file = tmp_path / "child.pid"
-    path = write(tmp_path, "hang.ipynb", [
-        code("import subprocess, time\n"  # a child in the kernel's process group, as forked ranks are
-             f"child = subprocess.Popen(['sleep', '600'])\nopen({str(pid_file)!r}, 'w').write(str(child.pid))"),
-        code("time.sleep(600)", check=True),
-        code("print('the kernel is still usable')", check=True),
-    ])
-    returncode, report = run_grader(path, "--cell-timeout", "5")
-    assert returncode == 1 and statuses(report) == {"cell-1": "timed out", "cell-2": "passed"}, report
-    assert report["outcome"] == "completed" and report["score"] == 1
-    child = int(pid_file.read_text())
-    alive = psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE
-    assert not alive, f"the kernel's child {child} outlived the grading: its process group was not killed"
-
-
-@pytest.mark.slow
-def test_a_notebook_past_the_whole_run_limit_is_stopped(tmp_path: Path):
-    path = write(tmp_path, "stubborn.ipynb", [
-        code("import time"),
-        code("while True:\n    try:\n        time.sleep(600)\n    except KeyboardInterrupt:\n        pass", check=True),
-        code("print('never')", check=True),
-        code("print('never either')", check=True),
-    ])
-    returncode, report = run_grader(path, "--cell-timeout", "4", "--timeout", "10")
-    assert returncode == 1 and report["outcome"] == "timed out" and report["score"] == 0, report
-    found = statuses(report)
-    assert found["cell-1"] == "timed out" and found["cell-3"] == "not run", report
-    assert "10 s" in report["detail"]
-
-
-@pytest.mark.slow
-def test_a_crashed_kernel_is_reported(tmp_path: Path):
-    path = write(tmp_path, "crash.ipynb", [
-        code("import os"), code("print('ok')", check=True), code("os._exit(3)"), code("print('never')", check=True)])
-    returncode, report = run_grader(path)
-    assert returncode == 1 and report["outcome"] == "kernel died", report
-    assert statuses(report) == {"cell-1": "passed", "cell-3": "not run"} and "cell 2" in report["detail"]
-
-
-def test_unreadable_notebooks_are_refused(tmp_path: Path, capsys):
-    (tmp_path / "broken.ipynb").write_text("{not json", encoding="utf-8")
-    assert grade.main([str(tmp_path / "broken.ipynb"), "--json"]) == 2
-    assert "cannot grade it" in json.loads(capsys.readouterr().out)["error"]
-    with pytest.raises(SystemExit) as stop:
-        grade.main([str(tmp_path / "missing.ipynb")])
-    assert stop.value.code == 2 and "no such notebook" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        grade.main([str(tmp_path / "broken.ipynb"), "--timeout", "0"])
-
-
-# ---------------------------------------------------------------------------------
-# real labs: the unsolved lab scores 0, the solution full marks, one planted mistake exactly its checks
+# real labs: one planted mistake costs exactly its checks
 
 
 def graded_solution(name: str) -> nbformat.NotebookNode:
@@ -251,21 +190,9 @@ def test_a_planted_mistake_costs_exactly_its_checks(name: str, tmp_path: Path):
     assert broken <= set(points), f"{name}: checks {sorted(broken - set(points))} do not exist"
     path = tmp_path / name
     nbformat.write(notebook, path)
-    returncode, report = run_grader(path)
-    failed = {check["grade_id"] for check in report["checks"] if not check["passed"]}
-    assert failed == broken, f"{name}: expected exactly {sorted(broken)} to fail, got {sorted(failed)}: {report}"
-    assert report["max_score"] == sum(points.values())
-    assert report["score"] == sum(points.values()) - sum(points[c] for c in broken), report
+    returncode, found, _ = run_grader(path, "--release", REPO_ROOT / "labs" / name)
+    failed = {check["grade_id"] for check in found["checks"] if not check["passed"]}
+    assert failed == broken, f"{name}: expected exactly {sorted(broken)} to fail, got {sorted(failed)}: {found}"
+    assert found["max_score"] == sum(points.values()) and found["outcome"] == "completed", found
+    assert found["score"] == sum(points.values()) - sum(points[c] for c in broken), found
     assert returncode == 1
-
-
-@pytest.mark.slow
-def test_the_command_on_a_lab_and_its_solution(tmp_path: Path):
-    """End to end on the lab as a learner gets it (0 points) and as solved (full marks)."""
-    returncode, report = run_grader(REPO_ROOT / "labs" / "07_quantizer.ipynb")
-    assert returncode == 1 and report["score"] == 0 and report["max_score"] == 3, report
-    assert all(check["status"] == "failed" for check in report["checks"]), report
-    solved = tmp_path / "07_quantizer.ipynb"
-    nbformat.write(graded_solution("07_quantizer.ipynb"), solved)
-    returncode, report = run_grader(solved, "--release", str(REPO_ROOT / "labs" / "07_quantizer.ipynb"))
-    assert returncode == 0 and report["score"] == report["max_score"] == 3, report

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import zipfile
 import subprocess
 import sys
 import sysconfig
@@ -74,6 +76,7 @@ def test_wheel_installed_outside_the_checkout_runs_lessons_00_03_and_finetunes(t
     # --no-build-isolation: build with the course's setuptools, offline
     _sh([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", dist, src], src, 600)
     wheel = next(dist.glob("shardlib-*.whl"))
+    assert_classroom_wheel_has_no_solutions(src, tmp_path / "classroom", wheel)
     python = _fresh_environment(env_dir, wheel)
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", MPLBACKEND="Agg")
@@ -161,3 +164,54 @@ def test_lab_generation_finds_the_course_folder_it_runs_in(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     with pytest.raises(labgen.LabError, match=f"no solutions/ folder .* in {tmp_path}"):
         labgen.find_root()
+
+
+def assert_classroom_wheel_has_no_solutions(src: Path, dist: Path, full_wheel: Path) -> None:
+    """SHARDLIB_WITHOUT_SOLUTIONS=1: the same wheel as `full_wheel`, less the package's solutions/."""
+    env = dict(os.environ, SHARDLIB_WITHOUT_SOLUTIONS="1")
+    _sh([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", dist, src], src, 600, env)
+    names = zipfile.ZipFile(next(dist.glob("shardlib-*.whl"))).namelist()
+    full = zipfile.ZipFile(full_wheel).namelist()
+    assert any(n.startswith("shardlib/course/solutions/") for n in full), "the ordinary wheel carries the solutions"
+    assert not any("solutions/" in n and n.endswith(".ipynb") for n in names), "a classroom wheel with solutions"
+    assert {n for n in full if n.endswith(".ipynb") and "/solutions/" not in n} == \
+        {n for n in names if n.endswith(".ipynb")}, "the classroom wheel lacks lessons or labs"
+
+
+MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def broken_links(folder: Path) -> list[str]:
+    """Relative links in the markdown cells of the notebooks under `folder` whose target is not there."""
+    broken = []
+    for path in sorted(folder.rglob("*.ipynb")):
+        for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+            if cell["cell_type"] != "markdown":
+                continue
+            for target in MARKDOWN_LINK.findall("".join(cell["source"])):
+                if re.match(r"[a-z]+:|#", target):
+                    continue
+                if not (path.parent / target.split("#")[0]).exists():
+                    broken.append(f"{path.relative_to(folder)}: {target}")
+    return broken
+
+
+def test_a_release_without_solutions_names_none_and_no_link_breaks(tmp_path, monkeypatch, capsys):
+    from shardlib.__main__ import main as cli
+    from shardlib.course import export
+
+    assert not broken_links(REPO_ROOT / "notebooks") and not broken_links(REPO_ROOT / "labs")
+    assert cli(["lessons", str(tmp_path / "release"), "--no-solutions"]) == 0
+    release = tmp_path / "release"
+    assert not (release / "solutions").exists() and "(no solutions)" in capsys.readouterr().out
+    assert sorted(p.name for p in (release / "labs").glob("*.ipynb")) == \
+        sorted(p.name for p in (REPO_ROOT / "labs").glob("*.ipynb"))
+    assert not broken_links(release), broken_links(release)
+    mentions = [p.name for p in (release / "labs").glob("*.ipynb") if "solutions/" in p.read_text(encoding="utf-8")]
+    assert not mentions, f"released labs that still name a solution: {mentions}"
+    # an install built without solutions: the same, without being asked
+    real = export.course_folder
+    monkeypatch.setattr(export, "course_folder", lambda name: (_ for _ in ()).throw(FileNotFoundError(name))
+                        if name == "solutions" else real(name))
+    written, _ = export.write_lessons(tmp_path / "classroom")
+    assert written and not (tmp_path / "classroom" / "solutions").exists() and not broken_links(tmp_path / "classroom")

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from shardlib.course.grading.grade import DEFAULT_CELL_TIMEOUT_S, DEFAULT_TIMEOUT_S, grade, stop_on_signals
-from shardlib.course.grading.notebook import GradeInputError, read_notebook
+from shardlib.course.grading.notebook import GradeInputError, against_release, read_notebook
 from shardlib.course.grading.report import format_report
 from shardlib.course.grading.sandbox import DEFAULT_MEMORY_GIB, DEFAULT_PROCESSES, become_subreaper
 
@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         release = args.release
         if release == "-":
             release = _release_from_stdin()
-        elif release is not None:
-            read_notebook(release)  # a bad release is refused before any kernel starts
-        read_notebook(args.notebook)
+        submission = read_notebook(args.notebook)
+        if release is not None:  # a bad release is refused before any kernel starts
+            against_release(submission, release if hasattr(release, "cells") else read_notebook(release))
     except GradeInputError as error:
         return fail(str(error), as_json)
     stop_on_signals()

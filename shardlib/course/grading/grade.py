@@ -37,15 +37,15 @@ OOM_MARKS = ("MemoryError", "can't allocate memory", "Cannot allocate memory", "
 
 
 class GraderStopped(Exception):
-    """SIGTERM or SIGHUP reached the grader: it stops, kills everything, and still reports."""
+    """SIGTERM, SIGHUP or SIGINT reached the grader: it stops, kills everything, and still reports."""
 
 
 def stop_on_signals() -> None:
-    """Turn SIGTERM and SIGHUP into GraderStopped in the main thread (the clean-up then runs)."""
+    """Turn SIGTERM, SIGHUP and SIGINT into GraderStopped in the main thread (the clean-up then runs)."""
     def handler(number, frame):
         raise GraderStopped(signal.Signals(number).name)
 
-    for number in (signal.SIGTERM, signal.SIGHUP):
+    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(number, handler)
 
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from pathlib import Path
 
 import nbformat
+from nbformat.v4.rwbase import rejoin_lines
 
 from shardlib.course.labgen import CHECK_TAG, cell_tags
 
@@ -49,8 +51,13 @@ def read_notebook(path: str | Path) -> nbformat.NotebookNode:
         raise GradeInputError(f"{path}: not a notebook: its JSON is {type(data).__name__}, "
                               "not an object with a list of cells")
     try:
-        notebook = nbformat.reads(json.dumps(data), as_version=4)
-        nbformat.validate(notebook)
+        with warnings.catch_warnings():  # nbformat warns (and logs) about what it is about to reject
+            warnings.simplefilter("ignore")
+            notebook = nbformat.from_dict(data)
+            if notebook.get("nbformat") != 4:
+                notebook = nbformat.convert(notebook, 4)
+            notebook = rejoin_lines(nbformat.from_dict(nbformat.validator.normalize(notebook)[1]))
+            nbformat.validate(notebook)
     except nbformat.ValidationError as error:
         first = str(error).strip().splitlines()[0]
         raise GradeInputError(f"{path}: not a valid notebook: {first}") from None

@@ -1,0 +1,258 @@
+"""The grader against notebooks that cheat, die, fork, hang or eat memory; and nothing outlives it.
+
+Each notebook is a small lab generated here (grade_helpers.double_solution) and graded by the command
+in a fresh process, as an instructor runs it, against its release. The expected outcomes are the ones
+the grader's documentation states for each case (shardlib/course/grading/grade.py).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from grade_helpers import REPO_ROOT, leftovers, light_lab, run_grader, statuses, submit, write_lab
+from shardlib.course.grading.kernel import Kernel
+from shardlib.course.grading.notebook import read_notebook, role
+from shardlib.course.grading.sandbox import bubblewrap, make_sandbox
+from shardlib.course.grading.tamper import Verifier
+
+WRONG = "def double(x):\n    return x"  # fails both checks, whatever the checks rely on
+# (what the learner's cell does, what undoes it): each makes a wrong answer pass, or hides a failure
+TAMPERING = {
+    "showtraceback silenced": ("get_ipython().showtraceback = lambda *a, **k: None", "del get_ipython().showtraceback"),
+    "input transformer": ("get_ipython().input_transformers_post.append(lambda lines: lines)",
+                          "get_ipython().input_transformers_post.pop()"),
+    "torch.allclose replaced": ("_o = torch.allclose; torch.allclose = lambda *a, **k: True", "torch.allclose = _o"),
+    "shardlib.launch replaced": ("_o = shardlib.launch; shardlib.launch = lambda *a, **k: []", "shardlib.launch = _o"),
+    "a builtin shadowed": ("all = lambda *a: True", "del all"),
+    "a builtin replaced": ("import builtins; _o = builtins.all; builtins.all = lambda *a: True", "builtins.all = _o"),
+    "a locked helper redefined": ("_o = helper\ndef helper(x):\n    return x", "helper = _o"),
+    "a locked helper's code swapped": ("_o = helper.__code__; helper.__code__ = (lambda x: x).__code__",
+                                       "helper.__code__ = _o"),
+    "a locked constant rebound": ("_o = TOL; TOL = 1e9", "TOL = _o"),
+    "a trace function": ("import sys; sys.settrace(lambda *a: None)", "sys.settrace(None)"),
+    "an AST transformer": ("import ast; get_ipython().ast_transformers.append(ast.NodeTransformer())",
+                           "get_ipython().ast_transformers.pop()"),
+    "a post_run_cell callback": ("_f = lambda r: None; get_ipython().events.register('post_run_cell', _f)",
+                                 "get_ipython().events.unregister('post_run_cell', _f)"),
+    "a custom exception handler": ("_s = get_ipython(); _o = (_s.CustomTB, _s.custom_exceptions); "
+                                   "_s.set_custom_exc((AssertionError,), lambda *a, **k: None)",
+                                   "_s.CustomTB, _s.custom_exceptions = _o"),
+    "the kernel's reply rewritten": ("_k = get_ipython().kernel; _o = _k.session.send; "
+                                     "_k.session.send = lambda *a, **k: _o(*a, **k)", "del _k.session.send"),
+    "run_cell patched on a base class": ("from IPython.core.interactiveshell import InteractiveShell as _S; "
+                                         "_o = _S.run_cell; _S.run_cell = lambda self, *a, **k: _o(self, *a, **k)",
+                                         "_S.run_cell = _o"),
+    "a Tensor method replaced": ("_o = torch.Tensor.__eq__; torch.Tensor.__eq__ = lambda a, b: True",
+                                 "torch.Tensor.__eq__ = _o"),
+    "int patched through gc": ("import gc; _d = gc.get_referents(int.__dict__)[0]; _o = _d['__add__']; "
+                               "_d['__add__'] = lambda a, b: 0", "_d['__add__'] = _o"),
+}
+
+
+@pytest.mark.slow
+def test_each_way_of_tampering_is_seen_and_a_clean_kernel_is_not_flagged(tmp_path: Path):
+    """One kernel: the lab's cells, then each tampering cell and its undoing, with the verification after each."""
+    lab = read_notebook(write_lab(tmp_path))
+    cells = [(i, role(c), c.source) for i, c in enumerate(lab.cells) if c.cell_type == "code"]
+    verifier = Verifier(cells)
+    with tempfile.TemporaryDirectory() as scratch, Kernel(make_sandbox(Path(scratch))) as kernel:
+        def run(source: str, index: int, cell_role: str) -> list[str]:
+            assert kernel.run(source, 120).status in ("ok", "error")
+            code, expressions, nonce = verifier.request()
+            state = verifier.parse(kernel.run(code, 120, silent=True, user_expressions=expressions), nonce)
+            return verifier.after(state, index, cell_role)
+
+        code, expressions, nonce = verifier.request(baseline=True)
+        verifier.start(verifier.parse(kernel.run(code, 300, silent=True, user_expressions=expressions), nonce))
+        assert [run(source, index, cell_role) for index, cell_role, source in cells] == [[]] * len(cells)
+        seen = {}
+        for name, (tamper, undo) in TAMPERING.items():
+            seen[name] = run(tamper, 99, "answer")
+            assert run(undo, 99, "answer") == [], f"{name}: still flagged once undone (a false alarm)"
+    missed = [name for name, found in seen.items() if not found]
+    assert not missed, f"tampering not seen: {missed}"
+    print("\n".join(f"{name}: {found[0]}" for name, found in seen.items()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["showtraceback silenced", "input transformer", "torch.allclose replaced",
+                                  "shardlib.launch replaced", "the kernel's reply rewritten"])
+def test_a_tampered_notebook_scores_0_as_tampered(name: str, tmp_path: Path):
+    lab = write_lab(tmp_path / "release")
+    tamper = TAMPERING[name][0]
+    if name == "input transformer":  # one that turns the checks' asserts into nothing
+        tamper = "get_ipython().input_transformers_post.append(lambda lines: [l.replace('assert ', 'pass #') " \
+                 "for l in lines])"
+    elif name == "the kernel's reply rewritten":  # every error reported as ok
+        tamper += "\ndef _send(stream, kind, content=None, *a, **k):\n" \
+                  "    if kind == 'execute_reply' and content and content.get('status') == 'error':\n" \
+                  "        content = dict(content, status='ok')\n    return _o(stream, kind, content, *a, **k)\n" \
+                  "_k.session.send = _send"
+    mine = submit(lab, tmp_path / "learner", answer=f"{WRONG}\n{tamper}")
+    returncode, found, seconds = run_grader(mine, "--release", lab)
+    assert returncode == 1 and found["outcome"] == "tampered" and found["score"] == 0, found
+    assert set(statuses(found).values()) == {"tampered"} and found["tampering"], found
+    print(f"{name}: score {found['score']}, exit {returncode}, {seconds:.1f} s: {found['tampering'][0]}")
+
+
+@pytest.mark.slow
+def test_the_wrong_answer_untampered_fails_its_checks_and_the_right_one_passes(tmp_path: Path):
+    """The notebooks above without the tampering: what it would have hidden, and no false alarm."""
+    lab = write_lab(tmp_path / "release")
+    returncode, found, _ = run_grader(submit(lab, tmp_path / "wrong", answer=WRONG), "--release", lab)
+    assert returncode == 1 and found["outcome"] == "completed" and set(statuses(found).values()) == {"failed"}, found
+    returncode, found, _ = run_grader(submit(lab, tmp_path / "right"), "--release", lab)
+    assert returncode == 0 and found["outcome"] == "completed" and found["score"] == 2, found
+
+
+@pytest.mark.slow
+def test_a_kernel_that_dies_inside_a_check_fails_it(tmp_path: Path):
+    lab = light_lab(tmp_path / "release")
+    mine = submit(lab, tmp_path / "learner", answer="import os\ndef double(x):\n    os._exit(3)")
+    returncode, found, seconds = run_grader(mine, "--release", lab)
+    assert returncode == 1 and found["outcome"] == "kernel died" and found["score"] == 0, found
+    first, second = found["checks"]
+    assert first["status"] == "kernel died" and "exited (status 3" in first["message"], first
+    assert second["status"] == "not run" and f"the kernel died in cell {first['cell']}" in second["message"], second
+    print(f"os._exit in a check: score 0, exit {returncode}, {seconds:.1f} s")
+
+
+HUNGRY = """\
+import os, time
+def double(x):
+    if x == 2:  # the second check: children that together hold more than the limit
+        for _ in range(3):
+            if os.fork() == 0:
+                try:
+                    block = bytearray(700 * 2 ** 20)  # touched: 700 MiB each, under the per-process limit
+                    time.sleep(600)
+                finally:
+                    os._exit(0)
+        time.sleep(600)
+    bytearray(3 * 2 ** 30)  # the first check: one allocation past the limit
+"""
+
+
+@pytest.mark.slow
+def test_memory_past_the_limit_is_reported_as_out_of_memory(tmp_path: Path):
+    lab = light_lab(tmp_path / "release")
+    mine = submit(lab, tmp_path / "learner", answer=HUNGRY)
+    returncode, found, seconds = run_grader(mine, "--release", lab, "--memory", "2", "--cell-timeout", "120")
+    first, second = found["checks"]
+    assert first["status"] == "out of memory" and "MemoryError" in first["message"], found
+    assert second["status"] == "out of memory" and found["outcome"] == "out of memory", found
+    assert "more than 2 GiB" in second["message"] and returncode == 1, second
+    print(f"memory-hungry: score {found['score']}, exit {returncode}, {seconds:.1f} s")
+
+
+def forking_answer(marker: str) -> str:
+    sleeper = f"import time; time.sleep(600)  # {marker}"
+    return f"""\
+import os, subprocess, sys
+subprocess.Popen(["setsid", sys.executable, "-c", {sleeper!r}])
+subprocess.Popen([sys.executable, "-c", {sleeper!r}], start_new_session=True)
+if os.fork() == 0:  # a daemon: fork, setsid, fork again, the middle one exits
+    os.setsid()
+    if os.fork() == 0:
+        os.execv(sys.executable, [sys.executable, "-c", {sleeper!r}])
+    os._exit(0)
+def double(x):
+    return x * 2
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isolation", ["auto", "none"])
+def test_nothing_the_notebook_started_outlives_the_grader(isolation: str, tmp_path: Path):
+    marker = f"shardlib-grader-test-{isolation}-{time.monotonic_ns()}"
+    lab = light_lab(tmp_path / "release")
+    mine = submit(lab, tmp_path / "learner", answer=forking_answer(marker))
+    returncode, found, seconds = run_grader(mine, "--release", lab, "--isolation", isolation)
+    assert returncode == 0 and found["score"] == 2, found
+    assert not leftovers(marker), f"processes outlived the grader: {leftovers(marker)}"
+    print(f"forking ({isolation}: {found['isolation'].split(':')[0]}): score 2, exit 0, {seconds:.1f} s, none left")
+
+
+STUBBORN = """\
+import time
+def double(x):
+    if x == 2:  # the second check ignores the interrupt
+        while True:
+            try:
+                time.sleep(600)
+            except KeyboardInterrupt:
+                pass
+    return x * 2
+"""
+
+
+@pytest.mark.slow
+def test_a_hanging_cell_is_interrupted_and_one_ignoring_it_ends_the_kernel(tmp_path: Path):
+    lab = light_lab(tmp_path / "release", ["assert double(1) == 2", "import time\ntime.sleep(600)  # interrupted",
+                                           "assert double(3) == 6\nprint('the kernel is still usable')",
+                                           "assert double(2) == 4", "print('never')"])
+    mine = submit(lab, tmp_path / "learner", answer=STUBBORN)
+    returncode, found, seconds = run_grader(mine, "--release", lab, "--cell-timeout", "4")
+    assert list(statuses(found).values()) == ["passed", "timed out", "passed", "timed out", "not run"], found
+    assert found["outcome"] == "unresponsive" and returncode == 1, found
+    assert found["checks"][4]["message"] == f"not run (kernel unresponsive after cell {found['checks'][3]['cell']})"
+    print(f"interrupt-ignoring: score {found['score']}, exit {returncode}, {seconds:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_signal_to_the_grader_still_ends_everything_and_reports(number: int, tmp_path: Path):
+    marker = f"shardlib-grader-signal-{number}-{time.monotonic_ns()}"
+    lab = light_lab(tmp_path / "release")
+    answer = forking_answer(marker) + "    import time; time.sleep(600)\n"
+    mine = submit(lab, tmp_path / "learner", answer=answer.replace("    return x * 2\n", ""))
+    grader = subprocess.Popen([sys.executable, "-m", "shardlib", "grade", str(mine), "--release", str(lab), "--json"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    deadline = time.monotonic() + 300
+    while len(leftovers(marker)) < 3 and time.monotonic() < deadline and grader.poll() is None:
+        time.sleep(0.5)
+    assert len(leftovers(marker)) == 3, "the notebook's processes never started"
+    grader.send_signal(number)
+    out, err = grader.communicate(timeout=60)
+    found = json.loads(out)
+    assert found["outcome"] == "stopped" and signal.Signals(number).name in found["detail"], found
+    assert {c["status"] for c in found["checks"]} == {"not run"} and grader.returncode == 1, found
+    assert not leftovers(marker), f"processes outlived the grader: {leftovers(marker)}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bubblewrap() is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+def test_in_the_sandbox_the_learner_cannot_touch_the_release_or_the_results_or_read_solutions(tmp_path: Path):
+    lab = light_lab(tmp_path / "release")
+    secret = REPO_ROOT / "solutions" / "01_ring_allreduce.ipynb"
+    answer = f"""\
+import os, pathlib
+def double(x):
+    return x * 2
+for target in [{str(lab)!r}, {str(tmp_path / "results.json")!r}, {str(REPO_ROOT / "labs" / "new.ipynb")!r}]:
+    try:
+        pathlib.Path(target).write_text("[]")
+    except OSError:
+        pass
+assert not pathlib.Path({str(secret)!r}).exists(), "the solutions are visible"
+for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+    if pid != os.getpid():
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+"""
+    before = lab.read_bytes()
+    mine = submit(lab, tmp_path / "learner", answer=answer)
+    returncode, found, _ = run_grader(mine, "--release", lab)
+    assert returncode == 0 and found["score"] == 2 and not found["errors"], found
+    assert lab.read_bytes() == before and not (tmp_path / "results.json").exists()
+    assert not (REPO_ROOT / "labs" / "new.ipynb").exists()
