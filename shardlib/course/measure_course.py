@@ -6,7 +6,8 @@
 
 Each lesson (notebooks/NN_*.ipynb) and each lab, run solved (solutions/*.ipynb: what a learner who
 finished runs), executes top to bottom in a fresh kernel of this Python, in its own folder, the way
-`python -m shardlib grade` runs it (shardlib/course/grade.py); the notebook file is not changed.
+`python -m shardlib grade` runs it (shardlib/course/grading/kernel.py), without its sandbox and limits;
+the notebook file is not changed.
 
     run time      wall-clock seconds from the kernel's start to the last cell's end
     peak memory   the largest sum, over the kernel and every process it started (the ranks), of each
@@ -35,7 +36,9 @@ from pathlib import Path
 import nbformat
 import psutil
 
-from shardlib.course import grade
+from shardlib.course.grading import DEFAULT_TIMEOUT_S
+from shardlib.course.grading.kernel import Kernel
+from shardlib.course.grading.sandbox import Sandbox
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
 SAMPLE_S = 0.5
@@ -92,32 +95,37 @@ class Sampler(threading.Thread):
             self.peak_tmp = max(self.peak_tmp, tree_bytes(self.tmpdir))
 
 
-def measure(path: Path, timeout: float = grade.DEFAULT_TIMEOUT_S) -> dict:
+def measure(path: Path, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
     """Run one notebook in a fresh kernel and measure it."""
     notebook = nbformat.read(path, as_version=4)
-    for cell in notebook.cells:
-        if cell.cell_type == "code":
-            cell.outputs, cell.execution_count = [], None
     tmpdir = Path(tempfile.mkdtemp(prefix="measure-"))
-    sampler = Sampler(tmpdir)
+    sampler = Sampler(tmpdir / "tmp")
     started_wall = time.time()
     started = time.monotonic()
     sampler.start()
+    failed, outcome = [], "completed"
     try:
-        ran, timed_out, outcome, detail = grade.execute(
-            notebook, path.parent, timeout=timeout, cell_timeout=timeout,
-            env={"TMPDIR": str(tmpdir), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")},
-            on_kernel=lambda pid: setattr(sampler, "pid", pid))
+        with Kernel(Sandbox(tmpdir, memory_bytes=psutil.virtual_memory().total, processes=1 << 20,
+                            workdir=path.parent)) as kernel:
+            sampler.pid = kernel.tree.root_pid
+            for index, cell in enumerate(notebook.cells):
+                if cell.cell_type != "code" or not cell.source.strip():
+                    continue
+                run = kernel.run(cell.source, max(1.0, started + timeout - time.monotonic()))
+                if run.status in ("died", "unresponsive", "timed out"):
+                    outcome = {"died": "kernel died"}.get(run.status, "timed out")
+                    break
+                if run.status == "error":
+                    failed.append(index)
     finally:
         seconds = time.monotonic() - started
         sampler.stopped.set()
         sampler.join()
         shutil.rmtree(tmpdir, ignore_errors=True)
     written = tree_bytes(ROOT, since=started_wall)
-    failed = [i for i, cell in enumerate(notebook.cells) if cell.cell_type == "code" and grade.error_of(cell)]
     return {"notebook": path.relative_to(ROOT).as_posix(), "seconds": round(seconds, 1),
             "peak_memory_bytes": sampler.peak_memory, "disk_bytes": written + sampler.peak_tmp,
-            "outcome": outcome if not failed else f"{outcome}, cells {failed} raised", "detail": detail}
+            "outcome": outcome if not failed else f"{outcome}, cells {failed} raised", "detail": ""}
 
 
 def notebooks(prefixes: list[str]) -> list[Path]:
@@ -164,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", help="only notebooks whose names start with these (default: all)")
     parser.add_argument("--write", metavar="GUIDE", help="put the table into this markdown file, between its markers")
     parser.add_argument("--json", metavar="PATH", help="also save the measurements as JSON")
-    parser.add_argument("--timeout", type=float, default=grade.DEFAULT_TIMEOUT_S, help="seconds per notebook")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per notebook")
     args = parser.parse_args(argv)
     rows = []
     for path in notebooks(args.names):

@@ -71,7 +71,7 @@ class Kernel:
                                 ip=str(scratch / "kernel"), connection_file=str(scratch / "connection.json"))
         before = ProcessTree.children_now()
         env = self.sandbox.environment()
-        self.km.start_kernel(cwd=str(scratch / "work"), env=env, stdout=subprocess.DEVNULL,
+        self.km.start_kernel(cwd=str(self.sandbox.cwd), env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
         self.tree = ProcessTree(self.km.provisioner.process.pid, before)
         self.watch = Watch(self.tree, self.sandbox.memory_bytes, self.sandbox.processes)

@@ -113,6 +113,11 @@ class Sandbox:
     memory_bytes: int = int(DEFAULT_MEMORY_GIB * 2 ** 30)
     processes: int = DEFAULT_PROCESSES
     bwrap: str | None = None
+    workdir: Path | None = None  # the kernel's folder (default: scratch/work); without bubblewrap only
+
+    @property
+    def cwd(self) -> Path:
+        return self.workdir or self.scratch / "work"
 
     def describe(self) -> str:
         limits = f"memory {self.memory_bytes / 2 ** 30:g} GiB, {self.processes} processes"
@@ -135,7 +140,7 @@ class Sandbox:
             args += ["--dev-bind", str(device), str(device)]
         for path in self.hidden:
             args += ["--tmpfs", str(path)] if path.is_dir() else ["--ro-bind", "/dev/null", str(path)]
-        args += ["--bind", str(self.scratch), str(self.scratch), "--chdir", str(self.scratch / "work"),
+        args += ["--bind", str(self.scratch), str(self.scratch), "--chdir", str(self.cwd),
                  "--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts", "--die-with-parent",
                  "--new-session", "--cap-drop", "ALL", "--"]
         return args
