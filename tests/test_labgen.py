@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -212,3 +213,44 @@ def test_nbgrader_sources_command(tmp_path: Path, capsys):
     assert f"wrote {written}" in capsys.readouterr().out
     expected = labgen.nbgrader_source(json.loads(solution.read_text(encoding="utf-8")), "solutions/99_scale.ipynb")
     assert json.loads(written.read_text(encoding="utf-8")) == expected
+
+
+# ---------------------------------------------------------------------------------
+# grade ids shared by the answer key and its lab; a release without solutions
+
+
+def test_check_grade_ids_are_written_into_the_solution_once_and_kept(tmp_path: Path):
+    solution = write(tmp_path / "solutions", "99_scale.ipynb", graded_notebook())
+    assert labgen.unstamped_solutions(tmp_path / "solutions") == [solution]
+    assert labgen.main(root=tmp_path) == 0
+    stamped = json.loads(solution.read_text(encoding="utf-8"))
+    ids = [c["metadata"]["nbgrader"]["grade_id"] for c in stamped["cells"] if "check" in c["metadata"].get("tags", [])]
+    lab = json.loads((tmp_path / "labs" / "99_scale.ipynb").read_text(encoding="utf-8"))
+    assert ids == ["check-1", "check-2"] == [c["metadata"]["nbgrader"]["grade_id"] for c in lab["cells"]
+                                             if c["metadata"]["nbgrader"]["grade"]]
+    assert stamped["cells"][-1]["metadata"]["nbgrader"]["points"] == 3, "the points stay"
+    assert labgen.main(check=True, root=tmp_path) == 0
+    clash = copy.deepcopy(stamped)
+    clash["cells"][-1]["metadata"]["nbgrader"]["grade_id"] = "check-1"
+    with pytest.raises(labgen.LabError, match="grade id 'check-1' is used twice"):
+        labgen.make_lab(clash, "solutions/99_scale.ipynb")
+
+
+def test_every_solution_carries_its_labs_check_grade_ids():
+    root = Path(__file__).resolve().parent.parent
+    assert not labgen.unstamped_solutions(root / "solutions"), "run `python -m shardlib labs` and commit"
+    for path in labgen.solution_paths(root / "solutions"):
+        solution = json.loads(path.read_text(encoding="utf-8"))
+        lab = json.loads((root / "labs" / path.name).read_text(encoding="utf-8"))
+        answer_key = [c["metadata"]["nbgrader"]["grade_id"] for c in solution["cells"]
+                      if "check" in c["metadata"].get("tags", []) and "solution-only" not in c["metadata"]["tags"]]
+        assert answer_key == [c["metadata"]["nbgrader"]["grade_id"] for c in lab["cells"]
+                              if c["metadata"]["nbgrader"]["grade"]], path.name
+
+
+def test_a_released_lab_names_no_solution():
+    lab = labgen.make_lab(graded_notebook(), "solutions/99_scale.ipynb")
+    released = labgen.released(lab)
+    assert "solutions/" in json.dumps(lab) and "solutions" not in json.dumps(released)
+    assert "grade labs/99_scale.ipynb" in "".join(released["cells"][0]["source"])
+    assert released["cells"][1:] == lab["cells"][1:]
