@@ -37,6 +37,8 @@ class GradeInputError(ValueError):
 def read_notebook(path: str | Path) -> nbformat.NotebookNode:
     """The notebook at `path`, validated; GradeInputError (one line) for anything that is not one."""
     path = Path(path)
+    if path.is_dir():
+        raise GradeInputError(f"{path}: a folder, not a notebook (a whole class: --class SUBMISSIONS_DIR)")
     if not path.is_file():
         raise GradeInputError(f"{path}: no such notebook")
     try:
