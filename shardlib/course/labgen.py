@@ -17,7 +17,7 @@ at the BEGIN marker's indentation:
 Cells tagged `solution-only` are left out of the lab; outputs and execution counts are
 removed; a note cell on top says the file is generated. Cells tagged `check` hold the
 automatic checks: they must fail on the lab and pass on the solution (tests/test_labs.py).
-`python -m shardlib grade LAB.ipynb` (shardlib/course/grade.py) runs them and scores them.
+`python -m shardlib grade LAB.ipynb` (shardlib/course/grading/) runs them and scores them.
 
 Every lab cell carries nbgrader's cell metadata (schema 3, https://nbgrader.readthedocs.io/en/stable/
 contributor_guide/metadata.html), so an instructor can hand the labs to nbgrader as they are:
