@@ -121,7 +121,7 @@ def test_a_class_is_graded_into_reports_and_scores_outside_the_submissions(tmp_p
     lab = write_lab(release)
     submissions = tmp_path / "submissions"
     submit(lab, submissions / "alice")
-    submit(lab, submissions / "bob" / "week3", answer="def double(x):\n    return x + 2")  # right for 2 only
+    submit(lab, submissions / "bob" / "week3", answer="def double(x):\n    return x")  # wrong (test_grade_sandbox)
     submit(lab, submissions / "carol", answer="import os\ndef double(x):\n    os._exit(3)")
     (submissions / "dave").mkdir()
     before = sorted(p.relative_to(submissions) for p in submissions.rglob("*"))
@@ -130,13 +130,13 @@ def test_a_class_is_graded_into_reports_and_scores_outside_the_submissions(tmp_p
                                               "--jobs", "2")
     rows = {row["learner"]: row for row in csv.DictReader(open(out / "scores.csv", encoding="utf-8"))}
     assert {name: (row["score"], row["outcome"]) for name, row in rows.items()} == {
-        "alice": ("2", "completed"), "bob": ("1", "completed"), "carol": ("0", "kernel died"),
+        "alice": ("2", "completed"), "bob": ("0", "completed"), "carol": ("0", "kernel died"),
         "dave": ("0", "not submitted")}, rows
     assert returncode == 1 and [line.split(":")[0] for line in summary["did_not_run"]] == [f"carol/{lab.name}"]
     assert summary["not_submitted"] == [f"dave/{lab.name}"], summary
     assert sorted(p.relative_to(submissions) for p in submissions.rglob("*")) == before, "nothing written there"
     bob = json.loads((out / "bob.json").read_text(encoding="utf-8"))
-    assert statuses(bob["labs"][0]) == {"check-1": "failed", "check-2": "passed"}, bob
+    assert statuses(bob["labs"][0]) == {"check-1": "failed", "check-2": "failed"}, bob  # failed, not tampered
     assert "Score: 2 / 2 points" in (out / "alice.txt").read_text(encoding="utf-8")
     print(f"a class of 4 (3 notebooks, 2 at once) graded in {seconds:.0f} s")
 

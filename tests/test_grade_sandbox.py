@@ -73,6 +73,8 @@ def test_each_way_of_tampering_is_seen_and_a_clean_kernel_is_not_flagged(tmp_pat
         code, expressions, nonce = verifier.request(baseline=True)
         verifier.start(verifier.parse(kernel.run(code, 300, silent=True, user_expressions=expressions), nonce))
         assert [run(source, index, cell_role) for index, cell_role, source in cells] == [[]] * len(cells)
+        for honest in ("%matplotlib inline", "%load_ext autoreload\n%autoreload 2", "import numpy as np\nx = [1]"):
+            assert run(honest, 99, "answer") == [], f"an honest cell flagged: {honest!r}"
         seen = {}
         for name, (tamper, undo) in TAMPERING.items():
             seen[name] = run(tamper, 99, "answer")
@@ -84,33 +86,19 @@ def test_each_way_of_tampering_is_seen_and_a_clean_kernel_is_not_flagged(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["showtraceback silenced", "input transformer", "torch.allclose replaced",
-                                  "shardlib.launch replaced", "the kernel's reply rewritten"])
+                                  "shardlib.launch replaced"])
 def test_a_tampered_notebook_scores_0_as_tampered(name: str, tmp_path: Path):
     lab = write_lab(tmp_path / "release")
     tamper = TAMPERING[name][0]
     if name == "input transformer":  # one that turns the checks' asserts into nothing
         tamper = "get_ipython().input_transformers_post.append(lambda lines: [l.replace('assert ', 'pass #') " \
                  "for l in lines])"
-    elif name == "the kernel's reply rewritten":  # every error reported as ok
-        tamper += "\ndef _send(stream, kind, content=None, *a, **k):\n" \
-                  "    if kind == 'execute_reply' and content and content.get('status') == 'error':\n" \
-                  "        content = dict(content, status='ok')\n    return _o(stream, kind, content, *a, **k)\n" \
-                  "_k.session.send = _send"
-    mine = submit(lab, tmp_path / "learner", answer=f"{WRONG}\n{tamper}")
+    mine = submit(lab, tmp_path / "learner", answer=f"{WRONG}\n{tamper}")  # untampered, it scores 0 as failed:
+    # tests/test_grade.py grades the same wrong answer (bob's) against the same release
     returncode, found, seconds = run_grader(mine, "--release", lab)
     assert returncode == 1 and found["outcome"] == "tampered" and found["score"] == 0, found
     assert set(statuses(found).values()) == {"tampered"} and found["tampering"], found
     print(f"{name}: score {found['score']}, exit {returncode}, {seconds:.1f} s: {found['tampering'][0]}")
-
-
-@pytest.mark.slow
-def test_the_wrong_answer_untampered_fails_its_checks_and_the_right_one_passes(tmp_path: Path):
-    """The notebooks above without the tampering: what it would have hidden, and no false alarm."""
-    lab = write_lab(tmp_path / "release")
-    returncode, found, _ = run_grader(submit(lab, tmp_path / "wrong", answer=WRONG), "--release", lab)
-    assert returncode == 1 and found["outcome"] == "completed" and set(statuses(found).values()) == {"failed"}, found
-    returncode, found, _ = run_grader(submit(lab, tmp_path / "right"), "--release", lab)
-    assert returncode == 0 and found["outcome"] == "completed" and found["score"] == 2, found
 
 
 @pytest.mark.slow

@@ -210,6 +210,24 @@ def global_chains(source: str) -> set[str]:
     return chains
 
 
+# event callbacks a learner's cell may add: the inline backend's and autoreload's (they cannot change a reply)
+BENIGN_CALLBACKS = ("function matplotlib_inline.", "function matplotlib.", "function IPython.extensions.autoreload.")
+
+
+def only_benign_added(before: str, after: str) -> bool:
+    """Whether an event's callbacks (a fingerprint list) only gained callbacks of BENIGN_CALLBACKS."""
+    def items(text: str) -> list[str] | None:
+        try:
+            return ast.literal_eval(text.split(" ", 1)[1])
+        except (IndexError, ValueError, SyntaxError):
+            return None
+    old, new = items(before), items(after)
+    if old is None or new is None or new[:len(old)] != old:
+        return False
+    added = [item if item.startswith("function ") else item.split(": ", 1)[-1] for item in new[len(old):]]
+    return all(item.startswith(BENIGN_CALLBACKS) for item in added)
+
+
 class Verifier:
     """Built from the notebook as graded: [(index, role, source)] for its code cells."""
 
@@ -280,6 +298,9 @@ class Verifier:
                     self.expected[key] = value
                 continue
             if value != self.expected[key]:
+                if key.startswith("list event ") and only_benign_added(self.expected[key], value):
+                    self.expected[key] = value  # `%matplotlib inline`, `%load_ext autoreload` in a learner's cell
+                    continue
                 if role == "locked" and chain is None:
                     self.expected[key] = value  # a released cell may change the machinery
                 elif not (chain and value == "unbound"):  # a deleted name fails the check by itself
