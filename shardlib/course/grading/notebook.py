@@ -50,8 +50,9 @@ def read_notebook(path: str | Path) -> nbformat.NotebookNode:
     except json.JSONDecodeError as error:
         raise GradeInputError(f"{path}: not a notebook: not valid JSON ({error})") from None
     if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
-        raise GradeInputError(f"{path}: not a notebook: its JSON is {type(data).__name__}, "
-                              "not an object with a list of cells")
+        what = {dict: "an object without a list of cells", list: "a list", type(None): "null", str: "a string",
+                bool: "true or false"}.get(type(data), "a number")
+        raise GradeInputError(f"{path}: not a notebook: its JSON is {what}, not an object with a list of cells")
     try:
         with warnings.catch_warnings():  # nbformat warns (and logs) about what it is about to reject
             warnings.simplefilter("ignore")
