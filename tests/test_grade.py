@@ -16,7 +16,7 @@ import pytest
 
 from grade_helpers import REPO_ROOT, code, run_grader, statuses, submit, write_lab
 from shardlib.course import labgen
-from shardlib.course.grading import cli, report
+from shardlib.course.grading import cli, report, sandbox
 from shardlib.course.grading.notebook import against_release, read_notebook, role
 
 RANK_ERROR = ("rank 1 failed; its traceback follows.\n\nTraceback (most recent call last):\n"
@@ -79,7 +79,7 @@ BAD_OPTIONS = {
 
 
 @pytest.mark.parametrize("as_json", [True, False], ids=["json", "text"])
-def test_every_bad_input_exits_2_with_one_line(tmp_path: Path, capsys, as_json: bool):
+def test_every_bad_input_exits_2_with_one_line(tmp_path: Path, capsys, monkeypatch, as_json: bool):
     lab = write_lab(tmp_path)
     cases = {name: [str(not_a_notebook(tmp_path / name, text))] for name, text in BAD_NOTEBOOKS.items()}
     cases.update({name: [str(lab), *options] for name, options in BAD_OPTIONS.items()})
@@ -91,6 +91,8 @@ def test_every_bad_input_exits_2_with_one_line(tmp_path: Path, capsys, as_json: 
                   "nothing to grade": [], "class without release": ["--class", str(tmp_path), "--out", "x"],
                   "results inside the submissions": ["--class", str(tmp_path), "--release", str(tmp_path),
                                                      "--out", str(tmp_path / "results")]})
+    cases["bubblewrap insisted on where it is missing"] = [str(lab), "--isolation", "bwrap"]
+    monkeypatch.setattr(sandbox, "bubblewrap", lambda: None)
     for name, argv in cases.items():
         assert cli.main(argv + (["--json"] if as_json else [])) == 2, name
         lines = capsys.readouterr().out.strip().splitlines()

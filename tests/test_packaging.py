@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import zipfile
 import subprocess
 import sys
@@ -169,6 +170,8 @@ def test_lab_generation_finds_the_course_folder_it_runs_in(tmp_path, monkeypatch
 def assert_classroom_wheel_has_no_solutions(src: Path, dist: Path, full_wheel: Path) -> None:
     """SHARDLIB_WITHOUT_SOLUTIONS=1: the same wheel as `full_wheel`, less the package's solutions/."""
     env = dict(os.environ, SHARDLIB_WITHOUT_SOLUTIONS="1")
+    for stale in (src / "build", *src.glob("*.egg-info")):  # setuptools would reuse the first build's files
+        shutil.rmtree(stale)
     _sh([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", dist, src], src, 600, env)
     names = zipfile.ZipFile(next(dist.glob("shardlib-*.whl"))).namelist()
     full = zipfile.ZipFile(full_wheel).namelist()

@@ -15,7 +15,7 @@ from pathlib import Path
 from shardlib.course.grading.grade import DEFAULT_CELL_TIMEOUT_S, DEFAULT_TIMEOUT_S, grade, stop_on_signals
 from shardlib.course.grading.notebook import GradeInputError, against_release, read_notebook
 from shardlib.course.grading.report import format_report
-from shardlib.course.grading.sandbox import DEFAULT_MEMORY_GIB, DEFAULT_PROCESSES, become_subreaper
+from shardlib.course.grading.sandbox import DEFAULT_MEMORY_GIB, DEFAULT_PROCESSES, become_subreaper, check_isolation
 
 
 class Parser(argparse.ArgumentParser):
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser().parse_args(argv)
         if args.jobs < 1:
             raise GradeInputError("--jobs must be at least 1")
+        check_isolation(args.isolation)
         if args.class_dir is not None:
             from shardlib.course.grading.classroom import grade_class
 

@@ -35,6 +35,9 @@ from pathlib import Path
 
 import psutil
 
+from shardlib.course.grading.notebook import GradeInputError
+from shardlib.course.labgen import REPO_ROOT
+
 DEFAULT_MEMORY_GIB = 6.0
 DEFAULT_PROCESSES = 256
 WATCH_S = 0.5
@@ -163,17 +166,17 @@ def _hard_nproc() -> int:
     return hard if hard != resource.RLIM_INFINITY else 1 << 30
 
 
+def check_isolation(isolation: str) -> None:
+    if isolation == "bwrap" and bubblewrap() is None:
+        raise GradeInputError("--isolation bwrap: bubblewrap is not installed or cannot make namespaces here "
+                              "(Debian/Ubuntu: apt-get install bubblewrap)")
+
+
 def make_sandbox(scratch: Path, hide=(), memory_gib: float = DEFAULT_MEMORY_GIB,
                  processes: int = DEFAULT_PROCESSES, isolation: str = "auto") -> Sandbox:
     """isolation: auto (bubblewrap where it works), bwrap (insist), none."""
     bwrap = bubblewrap() if isolation in ("auto", "bwrap") else None
-    if isolation == "bwrap" and bwrap is None:
-        from shardlib.course.grading.notebook import GradeInputError
-
-        raise GradeInputError("--isolation bwrap: bubblewrap is not installed or cannot make namespaces here "
-                              "(Debian/Ubuntu: apt-get install bubblewrap)")
-    from shardlib.course.labgen import REPO_ROOT
-
+    check_isolation(isolation)
     packaged = Path(__file__).resolve().parents[1] / "solutions"
     hidden = hideable([*hide, REPO_ROOT / "solutions", packaged, *home_entries()], needed_paths()) if bwrap else []
     return Sandbox(scratch, [p for p in hidden if p != scratch and p not in scratch.parents],
@@ -224,7 +227,7 @@ class ProcessTree:
                     member.send_signal(signal.SIGSTOP)
                 except psutil.Error:
                     pass
-        everyone = [m for m in self.members()]
+        everyone = self.members()
         for member in everyone:
             try:
                 member.kill()
