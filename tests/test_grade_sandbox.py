@@ -141,6 +141,20 @@ def test_memory_past_the_limit_is_reported_as_out_of_memory(tmp_path: Path):
     print(f"memory-hungry: score {found['score']}, exit {returncode}, {seconds:.1f} s")
 
 
+@pytest.mark.slow
+def test_more_processes_than_allowed_end_the_kernel(tmp_path: Path):
+    lab = light_lab(tmp_path / "release")
+    answer = "import subprocess, sys\ndef double(x):\n    if x == 2:\n        children = [subprocess.Popen(" \
+             "[sys.executable, '-c', 'import time; time.sleep(600)']) for _ in range(24)]\n" \
+             "        import time; time.sleep(600)\n    return x * 2"
+    returncode, found, seconds = run_grader(submit(lab, tmp_path / "learner", answer=answer), "--release", lab,
+                                            "--processes", "16", "--cell-timeout", "120")
+    first, second = found["checks"]
+    assert first["status"] == "passed" and second["status"] == "kernel died", found
+    assert second["message"] == "too many processes: more than 16" and returncode == 1, second
+    print(f"too many processes: score {found['score']}, exit {returncode}, {seconds:.1f} s")
+
+
 def forking_answer(marker: str) -> str:
     sleeper = f"import time; time.sleep(600)  # {marker}"
     return f"""\
