@@ -179,7 +179,8 @@ def write_results(out: Path, todo, results: dict, seconds: float) -> dict:
         writer.writerows(rows)
     failed = [f"{r['learner']}/{r['lab']}: {r['outcome']}" + (f" ({r['detail']})" if r["detail"] else "")
               for r in rows if r["outcome"] in DID_NOT_RUN]
-    return {"learners": len(per_learner), "notebooks": len(rows), "graded": len(results), "seconds": round(seconds, 1),
+    graded = sum("checks" in result for result in results.values())
+    return {"learners": len(per_learner), "notebooks": len(rows), "graded": graded, "seconds": round(seconds, 1),
             "did_not_run": failed, "not_submitted": [f"{r['learner']}/{r['lab']}" for r in rows
                                                      if r["outcome"] == "not submitted"],
             "results": str(out), "scores": str(out / "scores.csv")}
