@@ -86,7 +86,7 @@ def test_each_way_of_tampering_is_seen_and_a_clean_kernel_is_not_flagged(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["showtraceback silenced", "input transformer", "torch.allclose replaced",
-                                  "shardlib.launch replaced"])
+                                  "shardlib.launch replaced", "a locked constant rebound"])
 def test_a_tampered_notebook_scores_0_as_tampered(name: str, tmp_path: Path):
     lab = write_lab(tmp_path / "release")
     tamper = TAMPERING[name][0]

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from shardlib.course.grading.kernel import Kernel, Run
-from shardlib.course.grading.notebook import (against_release, fresh, grade_id, is_check, points, read_notebook,
-                                              role)
+from shardlib.course.grading.notebook import (against_release, fresh, grade_id, is_answer, is_check, points,
+                                              read_notebook, role)
 from shardlib.course.grading.report import CheckResult, Report, error_message
 from shardlib.course.grading.sandbox import DEFAULT_MEMORY_GIB, DEFAULT_PROCESSES, make_sandbox
 from shardlib.course.grading.tamper import Verifier
@@ -60,6 +60,7 @@ def grade(path: str | Path, release=None, timeout: float = DEFAULT_TIMEOUT_S,
         release_name, hide = str(release), [*hide, Path(release).resolve().parent]
         release = read_notebook(release)
     graded = against_release(submission, release) if release is not None else fresh(submission)
+    stubs = None if release is None else [c.source for c in release.cells if c.cell_type == "code" and is_answer(c)]
     report = Report(notebook=str(path), release=release_name)
     cells = [(i, role(cell), cell.source) for i, cell in enumerate(graded.cells)
              if cell.cell_type == "code" and cell.source.strip()]
@@ -73,7 +74,7 @@ def grade(path: str | Path, release=None, timeout: float = DEFAULT_TIMEOUT_S,
         sandbox = make_sandbox(scratch, [path.resolve().parent, *hide], memory_gib, processes, isolation)
         report.isolation = sandbox.describe()
         with Kernel(sandbox) as kernel:
-            why_not_run = _run(kernel, Verifier(cells), cells, checks, report, started + timeout, cell_timeout,
+            why_not_run = _run(kernel, Verifier(cells, stubs), cells, checks, report, started + timeout, cell_timeout,
                                timeout, progress)
     except GraderStopped as stopped:
         report.outcome, report.detail = "stopped", f"the grader was stopped by {stopped}"

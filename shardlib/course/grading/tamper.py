@@ -15,8 +15,9 @@ kernel, with
     the state right after the released cell that bound it
         for every other name a released (locked or check) cell binds and the checks or locked cells use
 
-A released cell may change the machinery (the baseline moves on); a learner's cell, or a check (it
-calls the learner's code), may change none of it. Any change is tampering: the notebook is reported
+A released cell that does not call the learner's code may change the machinery (the baseline moves
+on); a learner's cell, a check, or a released cell that calls the learner's code (a "try it" cell)
+may change none of it. Any change is tampering: the notebook is reported
 as tampered and every check scores 0. What this cannot see is written in INSTRUCTORS.md ("Grading").
 """
 
@@ -229,15 +230,22 @@ def only_benign_added(before: str, after: str) -> bool:
 
 
 class Verifier:
-    """Built from the notebook as graded: [(index, role, source)] for its code cells."""
+    """Built from the notebook as graded: [(index, role, source)] for its code cells; and the answer cells
+    as released (their stubs: the names the learner is meant to define), default the answers in `cells`.
+    Never the learner's own answers: a name they bind would escape the verification."""
 
-    def __init__(self, cells: list[tuple[int, str, str]]):
+    def __init__(self, cells: list[tuple[int, str, str]], released_answers: list[str] | None = None):
         released = [(i, role, python_source(src)) for i, role, src in cells if role in ("locked", "check")]
-        answers = [python_source(src) for _, role, src in cells if role == "answer"]
+        if released_answers is None:
+            released_answers = [src for _, role, src in cells if role == "answer"]
+        answers = [python_source(src) for src in released_answers]
         answer_bound = set().union(*(set().union(*top_level_bindings(s)[:2]) for s in answers)) if answers else set()
         self.imported, self.assigned, self.bound_by = set(), set(), {}
         statements, chains = [], set()
+        self.calls_learner = set()  # released cells that use a name the answers define: they run learner code
         for index, _, source in released:
+            if {chain.split(".")[0] for chain in global_chains(source)} & answer_bound:
+                self.calls_learner.add(index)
             imported, other, found = top_level_bindings(source)
             self.imported |= imported
             self.assigned |= other
@@ -281,6 +289,8 @@ class Verifier:
         """What changed that may not have, after cell `index` (its role); the expectations moved on."""
         changed = []
         own = self.bound_by.get(index, set())
+        if index in self.calls_learner:
+            role = "check"  # a released cell that calls the learner's code may change no machinery either
         for key, value in state.items():
             if key == "nonce" or key.startswith("pristine "):
                 continue
