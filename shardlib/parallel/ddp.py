@@ -133,7 +133,11 @@ class DistributedDataParallel(nn.Module):
     ring: all-reduce buckets with shardlib.comm.ring_all_reduce (blocking, so no overlap; the
         ledger sees its sends) instead of torch.distributed.all_reduce(async_op=True).
     record_timeline: keep (seconds, event, bucket) tuples in `self.timeline`, events
-        "grad_ready", "start" and "done" (all-reduce start and end; "done" on CPU/gloo).
+        "grad_ready", "start" and "done": the all-reduce issued, and completed, in the completion
+        callback of its future, on gloo's thread (an NCCL future completes once the work is enqueued
+        on its stream: https://pytorch.org/docs/stable/distributed.html#torch.distributed.Work.get_future,
+        so on CUDA "done" is not the end). A profiler trace holds the same moments as the labels
+        "bucket b all-reduce" (the issue) and "bucket b done" (shardlib.profile.agree reads both).
 
     Use it as torch's: `loss = model_loss(ddp, batch); loss.backward(); optimizer.step()`.
     Backward returns with averaged gradients (as in PyTorch, the wait is queued to run when
@@ -218,16 +222,22 @@ class DistributedDataParallel(nn.Module):
     def _start_all_reduce(self, b: int) -> None:
         bucket = self.buckets[b]
         bucket.buffer.div_(self.world_size)  # sum of g/N = the mean; divided first, as PyTorch does
-        self._log("start", b)
         if self.ring:
             with record_function(f"bucket {b} all-reduce (ring)"):
+                self._log("start", b)
                 ring_all_reduce(bucket.buffer, group=self.group)  # (numel,) summed in place, blocking
-            self._log("done", b)
+            self._done(b)
             return
-        with record_function(f"bucket {b} all-reduce"):  # the start; gloo's thread or NCCL's stream runs it
+        with record_function(f"bucket {b} all-reduce"):  # the issue; gloo's thread or NCCL's stream runs it
+            self._log("start", b)
             bucket.handle = ops.all_reduce(bucket.buffer, group=self.group, async_op=True)  # (numel,) in place
         if self.timeline is not None:
-            bucket.handle.get_future().then(lambda _, b=b: self._log("done", b))
+            bucket.handle.get_future().then(lambda _, b=b: self._done(b))  # run by the thread that completes it
+
+    def _done(self, b: int) -> None:
+        """Bucket b's all-reduce has completed: its "done" event, and the same moment labelled for a trace."""
+        with record_function(f"bucket {b} done"):
+            self._log("done", b)
 
     def finish_gradient_sync(self) -> None:
         """Wait for every bucket's all-reduce and copy the averaged gradients back to `.grad`."""

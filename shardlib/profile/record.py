@@ -18,7 +18,8 @@ as "[memory]" instant events whose "Total Allocated" counts the bytes allocated 
 started and not yet freed (shardlib.profile.memory_timeline reads them).
 
 The phases shardlib's techniques label with torch.profiler.record_function ("bucket 2 all-reduce",
-"all-gather blocks.1", "stage 0 F micro-batch 3" ...) show in the trace as user annotations, next
+"bucket 2 done", "all-gather blocks.1", "stage 0 F micro-batch 3" ...), on whichever thread opens them,
+show in the trace as user annotations, next
 to PyTorch's own operators and collectives (c10d::allreduce_ where the call is made, gloo:all_reduce
 on gloo's thread while it runs, nccl kernels on the GPU).
 """
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 
 __all__ = ["trace", "TraceFiles", "rank_file", "MERGED"]
 
@@ -40,6 +41,16 @@ MERGED = "merged.json"
 # libkineto logs profiler_start / profiler_stop lines (and a GPU count error on machines without one)
 # straight to the process's stderr: 6 is above its highest level, so it stays quiet (KINETO_LOG_LEVEL)
 _QUIET_KINETO = "6"
+
+
+def _every_thread():
+    """Record labels on every thread of the rank, not only those the profiler's state reaches: DDP's
+    "bucket b done" is opened in the collective's completion callback, on gloo's thread. Not with
+    profile_memory: PyTorch 2.14's profiler then records no allocation at all."""
+    try:
+        return _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # a PyTorch whose profiler has no profile_all_threads: those labels are missing
+        return None
 
 
 def rank_file(out_dir, rank: int) -> Path:
@@ -78,7 +89,8 @@ def trace(out_dir, *, memory: bool = False, group=None):
                        out / f"memory_snapshot_rank{rank}.pickle" if memory and cuda else None)
     if files.memory_snapshot is not None:
         torch.cuda.memory._record_memory_history(max_entries=100_000)
-    with profile(activities=activities, profile_memory=memory, record_shapes=memory) as profiler:
+    with profile(activities=activities, profile_memory=memory, record_shapes=memory,
+                 experimental_config=None if memory else _every_thread()) as profiler:
         yield files
         if cuda:
             torch.cuda.synchronize()  # the region's kernels belong to the region

@@ -62,8 +62,8 @@ def _data_parallel(technique: str):
         optimizer.zero_grad(set_to_none=True)
         with record_function("forward"):
             loss = model_loss(model, batch)
-        started = time.perf_counter()
         with record_function("backward"):
+            started = time.perf_counter()  # inside the label: the same moment in the trace
             loss.backward()
             if technique == "dp":
                 all_reduce_gradients(model)
