@@ -81,6 +81,8 @@ def test_save_writes_the_outputs_of_that_run_in_place_and_keeps_the_metadata(tmp
     tiny_notebook(path, [
         "import secrets, pathlib\ntoken = secrets.token_hex(8)\npathlib.Path('token.txt').write_text(token)\nprint(token)",
         "import matplotlib.pyplot as plt\nplt.plot([0, 1], [1, 0])\nplt.show()",
+        "import os, sys, time\nfor i in range(3):\n    sys.stdout.write(f'\\rframe {i}/3'); sys.stdout.flush(); time.sleep(0.3)\n"
+        "print(flush=True)\ntime.sleep(0.5)\nif os.fork() == 0:\n    print('from a forked process', flush=True)\n    os._exit(0)\nos.wait(); time.sleep(0.5)",
     ])
     row = measure_course.measure(path, 300, save=True, course=tmp_path)
     assert row["outcome"] == "completed" and row["saved"], row
@@ -93,6 +95,9 @@ def test_save_writes_the_outputs_of_that_run_in_place_and_keeps_the_metadata(tmp
     assert saved["cells"][0]["execution_count"] == 1
     assert any("image/png" in output.get("data", {}) for output in saved["cells"][1]["outputs"]), \
         "the figure was not saved inline"
+    streams = [(o["name"], "".join(o["text"])) for o in saved["cells"][2]["outputs"]]
+    assert streams == [("stdout", "frame 2/3\nfrom a forked process\n")], \
+        f"stream outputs not merged as Jupyter shows them (one output, the bar's last frame): {streams}"
 
     broken = tmp_path / "02_broken.ipynb"
     tiny_notebook(broken, ["print('first')", "raise ValueError('no')"])
