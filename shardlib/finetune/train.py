@@ -214,7 +214,8 @@ def run_steps(run: RankRun, start_step: int, fault=None) -> dict:
     label = f"{run.strategy} N={run.world_size}"  # the bar counts this run's steps; a resumed run says which
     if start_step or stop_at < run.total_steps:
         label += f", steps {start_step + 1}-{stop_at} of {run.total_steps}"
-    bar = tqdm(total=stop_at - start_step, desc=label, file=sys.stderr,
+    planned = stop_at
+    bar = tqdm(total=planned - start_step, desc=label, file=sys.stderr,
                disable=not (show and config.progress == "bar"), mininterval=1.0, dynamic_ncols=True)
     started_run, loss = time.perf_counter(), float("nan")
     run.model.train()
@@ -255,8 +256,8 @@ def run_steps(run: RankRun, start_step: int, fault=None) -> dict:
             save(run, done, fault)
     bar.close()
     if show and config.progress == "final" and stop_at > start_step:  # one line: the bar as it ended
-        sys.stderr.write(tqdm.format_meter(stop_at - start_step, stop_at - start_step, time.perf_counter() - started_run,
-                                           prefix=label, postfix=f"loss={loss:.4f}") + "\n")
+        sys.stderr.write(tqdm.format_meter(stop_at - start_step, planned - start_step, time.perf_counter() - started_run,
+                                           prefix=label, postfix=f"loss={loss:.4f}") + "\n")  # fewer: a stop file
         sys.stderr.flush()
         for result in record["evals"]:  # after the bar's one line, not between its frames
             _print_eval(run, result)
