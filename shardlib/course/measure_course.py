@@ -39,7 +39,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -52,6 +51,7 @@ import psutil
 from shardlib.course.grading import DEFAULT_TIMEOUT_S
 from shardlib.course.grading.kernel import Kernel
 from shardlib.course.grading.sandbox import Sandbox
+from shardlib.course.save_executed import run_keeping_outputs, save_in_place
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
 SAMPLE_S = 0.5
@@ -61,7 +61,6 @@ SKIP_DIRS = {".git", ".venv", "__pycache__", ".ipynb_checkpoints", ".pytest_cach
 WAIT_LOAD_PER_CORE = 0.5  # start a notebook only below this 1-minute load average per core
 MAX_WAIT_S = 1200
 POLL_S = 15
-INLINE_FIGURES = "module://matplotlib_inline.backend_inline"  # what a notebook saved by Jupyter shows
 
 
 def tree_bytes(folder: Path, since: float | None = None) -> int:
@@ -150,68 +149,10 @@ def _run_measuring(notebook, path: Path, tmpdir: Path, sampler: Sampler, deadlin
     return failed, outcome
 
 
-def _this_python_kernel():
-    """A kernel manager for a kernel of this very Python, whatever kernels are installed."""
-    import ipykernel.kernelspec
-    from jupyter_client.kernelspec import KernelSpecManager
-    from jupyter_client.manager import KernelManager
-
-    class ThisPython(KernelSpecManager):
-        def get_kernel_spec(self, kernel_name):
-            return self.kernel_spec_class(resource_dir=ipykernel.kernelspec.RESOURCES,
-                                          **ipykernel.kernelspec.get_kernel_dict())
-
-    return KernelManager(kernel_name="this-python", kernel_spec_manager=ThisPython())
-
-
 def _run_saving(notebook, path: Path, tmpdir: Path, sampler: Sampler, deadline: float) -> tuple[list, str]:
-    """As `jupyter nbconvert --execute` runs it (nbclient): the outputs go into the notebook's cells."""
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellTimeoutError, DeadKernelError
-
-    for cell in notebook.cells:
-        if cell.cell_type == "code":
-            cell.outputs, cell.execution_count = [], None
     (tmpdir / "tmp").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "TMPDIR": str(tmpdir / "tmp"), "MPLBACKEND": INLINE_FIGURES,
-           "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
-    client = NotebookClient(notebook, km=_this_python_kernel(), timeout=600, startup_timeout=120, allow_errors=True,
-                            resources={"metadata": {"path": str(path.parent)}})
-    failed, pgid = [], None
-    try:
-        with client.setup_kernel(cwd=str(path.parent), env=env):
-            sampler.pid = client.km.provisioner.process.pid
-            pgid = getattr(client.km.provisioner, "pgid", None)  # the kernel leads its own process group
-            for index, cell in enumerate(notebook.cells):
-                if cell.cell_type != "code" or not cell.source.strip():
-                    continue
-                client.timeout = max(1, int(deadline - time.monotonic()))
-                try:
-                    client.execute_cell(cell, index)
-                except CellTimeoutError:
-                    return failed, "timed out"
-                except DeadKernelError:
-                    return failed, "kernel died"
-                if any(output.get("output_type") == "error" for output in cell.outputs):
-                    failed.append(index)
-    finally:
-        if pgid is not None:  # ranks a cell left behind go with the kernel
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return failed, "completed"
-
-
-def save_in_place(path: Path, executed, metadata) -> None:
-    """Write the executed notebook over `path`: the run's outputs, the notebook's own metadata; each
-    cell's consecutive stream outputs merged and a progress bar's frames reduced to the last, as Jupyter
-    shows them (nbconvert's CoalesceStreamsPreprocessor), so no blank output or stale frame is saved."""
-    from nbconvert.preprocessors import CoalesceStreamsPreprocessor  # comes with JupyterLab
-
-    CoalesceStreamsPreprocessor().preprocess(executed, {})
-    executed.metadata = metadata
-    nbformat.write(executed, path)
+    env = {"TMPDIR": str(tmpdir / "tmp"), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    return run_keeping_outputs(notebook, path.parent, deadline, env=env, on_kernel=lambda pid: setattr(sampler, "pid", pid))
 
 
 def _name(path: Path, course: Path) -> str:
