@@ -152,7 +152,8 @@ def _run_measuring(notebook, path: Path, tmpdir: Path, sampler: Sampler, deadlin
 def _run_saving(notebook, path: Path, tmpdir: Path, sampler: Sampler, deadline: float) -> tuple[list, str]:
     (tmpdir / "tmp").mkdir(parents=True, exist_ok=True)
     env = {"TMPDIR": str(tmpdir / "tmp"), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
-    return run_keeping_outputs(notebook, path.parent, deadline, env=env, on_kernel=lambda pid: setattr(sampler, "pid", pid))
+    return run_keeping_outputs(notebook, path.parent, deadline, env=env,
+                               on_kernel=lambda pid: setattr(sampler, "pid", pid))
 
 
 def _name(path: Path, course: Path) -> str:
