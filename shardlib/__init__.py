@@ -19,11 +19,14 @@ paper it follows.
 """
 
 from shardlib.comm.ledger import comm_ledger
-from shardlib.launch import LaunchError, LaunchTimeout, RankError, current_device, init_from_env, launch
+from shardlib.launch import (LaunchError, LaunchTimeout, RankError, announce_in_notebook, current_device,
+                             init_from_env, launch)
 from shardlib.profile.record import trace
 
 __all__ = ["launch", "LaunchError", "LaunchTimeout", "RankError", "current_device", "init_from_env", "comm_ledger",
            "trace", "verify"]
+
+announce_in_notebook()  # in a notebook: where the ranks will run, said in the set-up cell, before anything else
 
 
 def verify(technique: str, world_size: int, *, device: str = "cpu") -> dict:

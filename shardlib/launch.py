@@ -8,7 +8,7 @@ device to build tensors on.
 
 Where the ranks compute (`device=`): "auto" (the default) gives one GPU per rank over NCCL
 when there are enough GPUs, else CPU processes over gloo, and prints one line saying which
-and why (once per process and reason); "cuda" insists on GPUs and fails before any process
+and why (once per process and reason; in a notebook, as shardlib is imported); "cuda" insists on GPUs and fails before any process
 starts when there are too few; "cpu" always uses CPU processes. The calling process never
 starts CUDA (shardlib/devices.py counts GPUs through NVML), so the forked ranks can.
 
@@ -55,7 +55,8 @@ import torch.distributed as dist
 
 from shardlib.devices import DEVICES, DeviceChoice, DeviceUnavailable, resolve_device
 
-__all__ = ["launch", "LaunchError", "RankError", "LaunchTimeout", "current_device", "init_from_env"]
+__all__ = ["launch", "LaunchError", "RankError", "LaunchTimeout", "current_device", "init_from_env", "WholeLines",
+           "announce_in_notebook"]
 
 
 class LaunchError(RuntimeError):
@@ -96,7 +97,23 @@ _announced: set[str] = set()  # lines already printed by this process: each is s
 def _announce(line: str) -> None:
     if line not in _announced:
         _announced.add(line)
-        print(line, flush=True)
+        sys.stdout.write(line + "\n")  # one write: a notebook could otherwise show the newline as an output of its own
+        sys.stdout.flush()
+
+
+def announce_in_notebook() -> None:
+    """In a notebook kernel, print now the line launch(device="auto") prints for one rank on this machine.
+
+    shardlib calls it when it is imported (a lesson's set-up cell), so that the line stands above all the
+    lesson prints, not between a table's header and its rows in the first cell that launches. A later
+    launch that chooses otherwise (more ranks than GPUs) still says so. Outside a kernel: nothing."""
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    if getattr(shell, "kernel", None) is None:
+        return
+    try:
+        _device_and_backend("auto", None, 1, forking=False, say="shardlib.launch")
+    except LaunchError:
+        pass  # launch() raises it, with what to change, when it is called
 
 
 def _device_and_backend(device: str, backend: str | None, ranks: int, *, forking: bool, say: str) -> str:
@@ -171,31 +188,40 @@ def init_from_env(backend: str | None = None, timeout: float = 300.0, *, device:
 # what runs in each child
 
 
-class _ForwardedStream:
-    """Stands in for sys.stdout/sys.stderr in a rank: sends what is written to the caller.
+class WholeLines:
+    """A text stream that passes on whole lines to `send`: print() writes the text and its newline
+    separately, and from a forked process each write reaches a notebook as an output of its own (a blank
+    one after every line), or another rank's line lands in between. flush() passes on a partial line,
+    e.g. a progress bar's frame. `WholeLines.around(sys.stdout)` wraps a stream."""
 
-    Whole lines are sent (print writes the text and its newline separately, and another rank's
-    line must not land in between); flush() sends a partial line, e.g. a progress bar's.
-    """
+    def __init__(self, send: Callable[[str], object]):
+        self.send, self.pending = send, ""
 
-    def __init__(self, channel, rank: int, name: str):
-        self.channel, self.rank, self.name = channel, rank, name
-        self.pending = ""
+    @classmethod
+    def around(cls, stream) -> "WholeLines":
+        return cls(lambda text: (stream.write(text), stream.flush()))
 
     def write(self, text: str) -> int:
         self.pending += text
         if "\n" in self.pending:
             lines, _, self.pending = self.pending.rpartition("\n")
-            self.channel.put(("out", self.rank, self.name, lines + "\n"))
+            self.send(lines + "\n")
         return len(text)
 
     def flush(self) -> None:
         if self.pending:
-            self.channel.put(("out", self.rank, self.name, self.pending))
+            self.send(self.pending)
             self.pending = ""
 
     def isatty(self) -> bool:
         return False
+
+
+class _ForwardedStream(WholeLines):
+    """Stands in for sys.stdout/sys.stderr in a rank: sends what is written to the caller, whole lines."""
+
+    def __init__(self, channel, rank: int, name: str):
+        super().__init__(lambda text: channel.put(("out", rank, name, text)))
 
 
 class _Failure(NamedTuple):

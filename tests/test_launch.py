@@ -404,6 +404,32 @@ def test_auto_on_cpu_prints_its_reason_once_per_process(monkeypatch, capsys):
     assert out == "shardlib.launch: CPU ranks over gloo: no GPU (faked).\n", out
 
 
+def test_in_a_notebook_the_line_is_said_on_import_before_anything_else(no_process_may_start, monkeypatch, capsys):
+    """In a kernel the set-up cell's `import shardlib` says it; the first launch then adds nothing, so
+    the line can never land between a table's header and its rows. Elsewhere the import says nothing."""
+    fake_gpus(monkeypatch, 0)
+    kernel = type("Kernel shell", (), {"kernel": object()})()
+    monkeypatch.setitem(sys.modules, "IPython", type(sys)("IPython"))
+    monkeypatch.setattr(sys.modules["IPython"], "get_ipython", lambda: None, raising=False)
+    launch_module.announce_in_notebook()  # a script, or a plain IPython shell: no kernel
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(sys.modules["IPython"], "get_ipython", lambda: kernel)
+    launch_module.announce_in_notebook()
+    print("header of a table")
+    assert launch_module._device_and_backend("auto", None, 3, forking=True, say="shardlib.launch") == "gloo"
+    assert capsys.readouterr().out == "shardlib.launch: CPU ranks over gloo: no GPU (faked).\nheader of a table\n"
+
+
+def test_whole_lines_pass_on_a_print_as_one_write():
+    sent = []
+    stream = launch_module.WholeLines(sent.append)
+    print("one", file=stream)
+    print("two", file=stream, flush=True)
+    stream.write("\rframe 3/10")  # a progress bar's frame: passed on at flush
+    stream.flush()
+    assert sent == ["one\n", "two\n", "\rframe 3/10"], sent
+
+
 def test_not_a_function_is_rejected_before_starting(no_process_may_start):
     with pytest.raises(TypeError, match="needs a function"):
         launch("rank_and_size", 2)

@@ -3,11 +3,22 @@
     python -m shardlib.course.measure_course                       # every lesson and lab: print the table
     python -m shardlib.course.measure_course --write INSTRUCTORS.md # ... and put it in the guide
     python -m shardlib.course.measure_course 03 p1                  # only notebooks whose names start so
+    python -m shardlib.course.measure_course --save --write INSTRUCTORS.md   # the quiet run: both at once
 
 Each lesson (notebooks/NN_*.ipynb) and each lab, run solved (solutions/*.ipynb: what a learner who
 finished runs), executes top to bottom in a fresh kernel of this Python, in its own folder, the way
 `python -m shardlib grade` runs it (shardlib/course/grading/kernel.py), without its sandbox and limits;
-the notebook file is not changed.
+the notebook file is not changed. With --save it runs instead as `jupyter nbconvert --execute` does
+(nbclient, every output kept), and a notebook whose every cell ran without error is written back in place
+with the outputs of that same run (figures inline, stream outputs merged as Jupyter shows them) and its
+own metadata: one run gives both the saved timings of the lessons and the guide's table.
+
+Before each notebook the run waits until the machine is quiet: the 1-minute load average below
+--quiet-load per core (default WAIT_LOAD_PER_CORE), checked every POLL_S seconds for at most --max-wait
+seconds, after which it stops and says what it saw. Saved lessons are held to
+shardlib.timing.QUIET_LOAD_PER_CORE (tests/test_notebook_outputs.py); starting lower leaves room for the
+load the lesson's own ranks add. The load at each notebook's start and its peak during the run are
+recorded (in the table and the JSON).
 
     run time      wall-clock seconds from the kernel's start to the last cell's end
     peak memory   the largest sum, over the kernel and every process it started (the ranks), of each
@@ -23,6 +34,7 @@ The table goes between the two MARKERS lines of the guide; the rest of the guide
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -39,12 +51,16 @@ import psutil
 from shardlib.course.grading import DEFAULT_TIMEOUT_S
 from shardlib.course.grading.kernel import Kernel
 from shardlib.course.grading.sandbox import Sandbox
+from shardlib.course.save_executed import run_keeping_outputs, save_in_place
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
 SAMPLE_S = 0.5
 MARKERS = ("<!-- measured by shardlib/course/measure_course.py: begin -->",
            "<!-- measured by shardlib/course/measure_course.py: end -->")
 SKIP_DIRS = {".git", ".venv", "__pycache__", ".ipynb_checkpoints", ".pytest_cache"}
+WAIT_LOAD_PER_CORE = 0.5  # start a notebook only below this 1-minute load average per core
+MAX_WAIT_S = 1200
+POLL_S = 15
 
 
 def tree_bytes(folder: Path, since: float | None = None) -> int:
@@ -86,6 +102,7 @@ class Sampler(threading.Thread):
         super().__init__(daemon=True)
         self.tmpdir, self.pid = tmpdir, None
         self.peak_memory = self.peak_tmp = 0
+        self.peak_load = os.getloadavg()[0]
         self.stopped = threading.Event()
 
     def run(self):
@@ -93,38 +110,81 @@ class Sampler(threading.Thread):
             if self.pid is not None:
                 self.peak_memory = max(self.peak_memory, process_tree_pss(self.pid))
             self.peak_tmp = max(self.peak_tmp, tree_bytes(self.tmpdir))
+            self.peak_load = max(self.peak_load, os.getloadavg()[0])
 
 
-def measure(path: Path, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
-    """Run one notebook in a fresh kernel and measure it."""
+def wait_until_quiet(limit: float, max_wait: float, what: str, *, load=lambda: os.getloadavg()[0],
+                     sleep=time.sleep, clock=time.monotonic, say=print) -> float:
+    """Wait until the 1-minute load average is below `limit`; return it. Says what it waits for, every
+    minute or so; past `max_wait` seconds, stops (SystemExit) with the load it saw."""
+    started, said = clock(), None
+    while (now := load()) >= limit:
+        waited = clock() - started
+        if waited >= max_wait:
+            raise SystemExit(f"the machine did not get quiet for {what}: load average {now:.2f} on {os.cpu_count()} "
+                             f"cores after {waited:.0f} s, limit {limit:.2f}. Stop what else runs (or wait), then "
+                             "run again; --quiet-load and --max-wait set the limit and the wait")
+        if said is None or waited - said >= 60:
+            say(f"  waiting for a quiet machine before {what}: load average {now:.2f} on {os.cpu_count()} cores, "
+                f"limit {limit:.2f} (waited {waited:.0f} of at most {max_wait:.0f} s)", file=sys.stderr, flush=True)
+            said = waited
+        sleep(min(POLL_S, max_wait - waited))
+    return now
+
+
+def _run_measuring(notebook, path: Path, tmpdir: Path, sampler: Sampler, deadline: float) -> tuple[list, str]:
+    """The grader's kernel, without its sandbox and limits: (cells that raised, outcome)."""
+    failed, outcome = [], "completed"
+    with Kernel(Sandbox(tmpdir, memory_bytes=psutil.virtual_memory().total, processes=1 << 20,
+                        workdir=path.parent)) as kernel:
+        sampler.pid = kernel.tree.root_pid
+        for index, cell in enumerate(notebook.cells):
+            if cell.cell_type != "code" or not cell.source.strip():
+                continue
+            run = kernel.run(cell.source, max(1.0, deadline - time.monotonic()))
+            if run.status in ("died", "unresponsive", "timed out"):
+                return failed, {"died": "kernel died"}.get(run.status, "timed out")
+            if run.status == "error":
+                failed.append(index)
+    return failed, outcome
+
+
+def _run_saving(notebook, path: Path, tmpdir: Path, sampler: Sampler, deadline: float) -> tuple[list, str]:
+    (tmpdir / "tmp").mkdir(parents=True, exist_ok=True)
+    env = {"TMPDIR": str(tmpdir / "tmp"), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    return run_keeping_outputs(notebook, path.parent, deadline, env=env,
+                               on_kernel=lambda pid: setattr(sampler, "pid", pid))
+
+
+def _name(path: Path, course: Path) -> str:
+    return path.relative_to(course).as_posix() if path.is_relative_to(course) else path.name
+
+
+def measure(path: Path, timeout: float = DEFAULT_TIMEOUT_S, *, save: bool = False, course: Path = ROOT) -> dict:
+    """Run one notebook in a fresh kernel and measure it; with `save`, write it back with this run's
+    outputs when every cell ran without error (a failed run leaves the file as it was)."""
     notebook = nbformat.read(path, as_version=4)
+    metadata = copy.deepcopy(notebook.metadata)
     tmpdir = Path(tempfile.mkdtemp(prefix="measure-"))
     sampler = Sampler(tmpdir / "tmp")
     started_wall = time.time()
     started = time.monotonic()
+    load_start = sampler.peak_load
     sampler.start()
-    failed, outcome = [], "completed"
     try:
-        with Kernel(Sandbox(tmpdir, memory_bytes=psutil.virtual_memory().total, processes=1 << 20,
-                            workdir=path.parent)) as kernel:
-            sampler.pid = kernel.tree.root_pid
-            for index, cell in enumerate(notebook.cells):
-                if cell.cell_type != "code" or not cell.source.strip():
-                    continue
-                run = kernel.run(cell.source, max(1.0, started + timeout - time.monotonic()))
-                if run.status in ("died", "unresponsive", "timed out"):
-                    outcome = {"died": "kernel died"}.get(run.status, "timed out")
-                    break
-                if run.status == "error":
-                    failed.append(index)
+        failed, outcome = (_run_saving if save else _run_measuring)(notebook, path, tmpdir, sampler, started + timeout)
     finally:
         seconds = time.monotonic() - started
         sampler.stopped.set()
         sampler.join()
         shutil.rmtree(tmpdir, ignore_errors=True)
-    written = tree_bytes(ROOT, since=started_wall)
-    return {"notebook": path.relative_to(ROOT).as_posix(), "seconds": round(seconds, 1),
+    written = tree_bytes(course, since=started_wall)
+    saved = save and outcome == "completed" and not failed
+    if saved:
+        save_in_place(path, notebook, metadata)
+    return {"notebook": _name(path, course), "seconds": round(seconds, 1),
             "peak_memory_bytes": sampler.peak_memory, "disk_bytes": written + sampler.peak_tmp,
+            "load_start": round(load_start, 2), "load_peak": round(sampler.peak_load, 2), "saved": saved,
             "outcome": outcome if not failed else f"{outcome}, cells {failed} raised", "detail": ""}
 
 
@@ -145,16 +205,18 @@ def table(rows: list[dict]) -> str:
     environment = Path(sys.prefix)
     lines = [f"Measured on {os.cpu_count()} CPU cores, {psutil.virtual_memory().total / 2 ** 30:.0f} GiB of memory, "
              f"Python {platform.python_version()}, no GPU; the course environment ({environment.name}/) takes "
-             f"{tree_bytes(environment) / 2 ** 30:.1f} GiB on disk. Labs are run solved (their solutions).",
+             f"{tree_bytes(environment) / 2 ** 30:.1f} GiB on disk. Labs are run solved (their solutions). "
+             "Load: the 1-minute load average as the notebook started, and its peak during the run (the "
+             "notebook's own ranks included).",
              "",
-             "| notebook | run time | peak memory | disk written | result |",
-             "|---|---:|---:|---:|---|"]
+             "| notebook | run time | peak memory | disk written | load (start, peak) | result |",
+             "|---|---:|---:|---:|---:|---|"]
     for row in rows:
         lines.append(f"| `{row['notebook']}` | {row['seconds']:.0f} s | {_mib(row['peak_memory_bytes'])} | "
-                     f"{_mib(row['disk_bytes'])} | {row['outcome']} |")
+                     f"{_mib(row['disk_bytes'])} | {row['load_start']:.2f}, {row['load_peak']:.2f} | {row['outcome']} |")
     total = sum(row["seconds"] for row in rows)
     lines.append(f"| all of the above | {total / 60:.0f} min | {_mib(max(r['peak_memory_bytes'] for r in rows))} (largest) | "
-                 f"{_mib(sum(r['disk_bytes'] for r in rows))} | |")
+                 f"{_mib(sum(r['disk_bytes'] for r in rows))} | {max(r['load_start'] for r in rows):.2f} (highest start) | |")
     return "\n".join(lines)
 
 
@@ -173,13 +235,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", metavar="GUIDE", help="put the table into this markdown file, between its markers")
     parser.add_argument("--json", metavar="PATH", help="also save the measurements as JSON")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per notebook")
+    parser.add_argument("--save", action="store_true",
+                        help="write each notebook that ran without error back in place, with this run's outputs")
+    parser.add_argument("--quiet-load", type=float, default=WAIT_LOAD_PER_CORE, metavar="PER_CORE",
+                        help="start each notebook only below this 1-minute load average per core (0: do not wait)")
+    parser.add_argument("--max-wait", type=float, default=MAX_WAIT_S, metavar="S",
+                        help="seconds to wait for a quiet machine before each notebook, then stop")
     args = parser.parse_args(argv)
     rows = []
     for path in notebooks(args.names):
-        print(f"running {path.relative_to(ROOT)} ...", file=sys.stderr, flush=True)
-        rows.append(measure(path, args.timeout))
-        print(f"  {rows[-1]['seconds']:.0f} s, {_mib(rows[-1]['peak_memory_bytes'])}, {_mib(rows[-1]['disk_bytes'])}: "
-              f"{rows[-1]['outcome']}", file=sys.stderr, flush=True)
+        name = path.relative_to(ROOT)
+        if args.quiet_load > 0:
+            wait_until_quiet(args.quiet_load * os.cpu_count(), args.max_wait, str(name))
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        rows.append(measure(path, args.timeout, save=args.save))
+        row = rows[-1]
+        print(f"  {row['seconds']:.0f} s, {_mib(row['peak_memory_bytes'])}, {_mib(row['disk_bytes'])}, load "
+              f"{row['load_start']:.2f} -> peak {row['load_peak']:.2f}: {row['outcome']}"
+              + ("; saved" if row["saved"] else ""), file=sys.stderr, flush=True)
     text = table(rows)
     print(text)
     if args.json:

@@ -25,6 +25,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -144,8 +145,10 @@ def rank_main(config: FinetuneConfig, fault=None) -> dict:
     peer waits to be ended (up to PEER_GRACE_S, then raises as before) and, when the launcher's
     SIGTERM comes, exits at once: the dead rank is the one reported, every time."""
     from shardlib.finetune.train import train
+    from shardlib.launch import WholeLines
 
     signal.signal(signal.SIGTERM, _ended_quietly)
+    sys.stdout, sys.stderr = WholeLines.around(sys.stdout), WholeLines.around(sys.stderr)  # no blank outputs
     try:
         return train(config, fault)  # the elastic launcher records an exception's message (errors.record)
     except Exception as error:  # noqa: BLE001 - only a lost peer waits; everything is raised

@@ -211,7 +211,11 @@ def run_steps(run: RankRun, start_step: int, fault=None) -> dict:
     stop_at = min(run.total_steps, config.stop_after or run.total_steps)
     record = {"history": [], "evals": [], "step_times": [], "memory": {}, "stop_at": stop_at}
     show = run.rank == 0 and config.progress != "none"
-    bar = tqdm(total=run.total_steps, initial=start_step, desc=f"{run.strategy} N={run.world_size}", file=sys.stderr,
+    label = f"{run.strategy} N={run.world_size}"  # the bar counts this run's steps; a resumed run says which
+    if start_step or stop_at < run.total_steps:
+        label += f", steps {start_step + 1}-{stop_at} of {run.total_steps}"
+    planned = stop_at
+    bar = tqdm(total=planned - start_step, desc=label, file=sys.stderr,
                disable=not (show and config.progress == "bar"), mininterval=1.0, dynamic_ncols=True)
     started_run, loss = time.perf_counter(), float("nan")
     run.model.train()
@@ -252,9 +256,9 @@ def run_steps(run: RankRun, start_step: int, fault=None) -> dict:
             save(run, done, fault)
     bar.close()
     if show and config.progress == "final" and stop_at > start_step:  # one line: the bar as it ended
-        print(tqdm.format_meter(stop_at, run.total_steps, time.perf_counter() - started_run, initial=start_step,
-                                prefix=f"{run.strategy} N={run.world_size}", postfix=f"loss={loss:.4f}"),
-              file=sys.stderr, flush=True)
+        sys.stderr.write(tqdm.format_meter(stop_at - start_step, planned - start_step, time.perf_counter() - started_run,
+                                           prefix=label, postfix=f"loss={loss:.4f}") + "\n")  # fewer: a stop file
+        sys.stderr.flush()
         for result in record["evals"]:  # after the bar's one line, not between its frames
             _print_eval(run, result)
     return record

@@ -174,7 +174,7 @@ def fsdp_plugin_on_cpu(world_size: int = 2) -> dict:
     """Accelerator(fsdp_plugin=...) on CPU ranks: what Accelerate chose, and how many parameters a rank keeps."""
     from shardlib.launch import launch
 
-    return launch(_fsdp_on_rank, world_size, timeout=120)[0]
+    return launch(_fsdp_on_rank, world_size, timeout=120, device="cpu")[0]
 
 
 def _leave_in_step() -> None:

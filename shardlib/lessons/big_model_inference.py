@@ -138,7 +138,8 @@ def pipeline_time_per_token(config: GPTConfig, prompt: torch.Tensor, stages: int
     """
     from shardlib.launch import launch
 
-    results = launch(_pipeline_on_rank, stages, args=(config, prompt, new_tokens, repeats), timeout=180)
+    results = launch(_pipeline_on_rank, stages, args=(config, prompt, new_tokens, repeats), timeout=180,
+                     device="cpu")  # beside the placements, which compute on the CPU: the same kind of rank
     return results[-1]["seconds"], results[-1]["ids"]
 
 

@@ -313,12 +313,16 @@ def train_shardlib(config: GPTConfig, batches: list, stage: int, lr: float, *, m
                 sent=sent)
 
 
-def _both_on_rank(config, batches, stage, lr, options):
-    theirs = train_deepspeed(config, batches, stage, lr, **options)
-    ours = train_shardlib(config, batches, stage, lr, **{k: v for k, v in options.items() if k != "bucket_numel"})
-    for run in (theirs, ours):
+def _both_on_rank(config, batches, stage, lr, options, libraries=("deepspeed", "shardlib")):
+    runs = {}
+    if "deepspeed" in libraries:
+        runs["deepspeed"] = train_deepspeed(config, batches, stage, lr, **options)
+    if "shardlib" in libraries:
+        runs["shardlib"] = train_shardlib(config, batches, stage, lr,
+                                          **{k: v for k, v in options.items() if k != "bucket_numel"})
+    for run in runs.values():
         run["losses"] = _mean_over_ranks(run["losses"])
-    return dict(deepspeed=theirs, shardlib=ours)
+    return runs
 
 
 def _mean_over_ranks(losses: list[float]) -> list[float]:
@@ -330,10 +334,14 @@ def _mean_over_ranks(losses: list[float]) -> list[float]:
 
 def compare_zero(world_size: int, stage: int, *, config: GPTConfig = ZERO_CHECK_GPT, steps: int = 3,
                  lr: float = 3e-4, optimizer: str = "adamw", micro_batches: int = 1, bf16: bool = False,
-                 bucket_numel: int | None = None, batches: list | None = None, timeout: float = 300) -> list[dict]:
+                 bucket_numel: int | None = None, batches: list | None = None, timeout: float = 300,
+                 device: str = "auto", libraries: tuple[str, ...] = ("deepspeed", "shardlib")) -> list[dict]:
     """DeepSpeed and shardlib at ZeRO `stage` on `world_size` ranks, one job: per rank
     {"deepspeed": run, "shardlib": run}, run = {losses (global mean per step), state (full, fp32),
-    held (peak bytes: params, grads, optimizer, buckets, total), sent (ledger summary per step)}."""
+    held (peak bytes: params, grads, optimizer, buckets, total), sent (ledger summary per step)}.
+    libraries: which of the two to run (("deepspeed",): DeepSpeed alone); device: as launch()'s."""
+    if not libraries or set(libraries) - {"deepspeed", "shardlib"}:
+        raise ValueError(f"libraries must name 'deepspeed', 'shardlib' or both, got {libraries!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
     batches = batches or random_token_batches(config, GLOBAL_BATCH, steps)
@@ -341,4 +349,5 @@ def compare_zero(world_size: int, stage: int, *, config: GPTConfig = ZERO_CHECK_
         raise ValueError(f"a global batch of {batches[0][0].shape[0]} does not split into {world_size} ranks x "
                          f"{micro_batches} micro-batches; pick sizes that divide it")
     options = dict(optimizer=optimizer, micro_batches=micro_batches, bf16=bf16, bucket_numel=bucket_numel)
-    return launch(_both_on_rank, world_size, args=(config, batches, stage, lr, options), timeout=timeout)
+    return launch(_both_on_rank, world_size, args=(config, batches, stage, lr, options, libraries), timeout=timeout,
+                  device=device)

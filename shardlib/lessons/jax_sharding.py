@@ -204,14 +204,17 @@ def torch_reference(steps: int = 3, seed: int = 0) -> dict:
     return {"losses": losses, "params": {names[k]: v.detach().numpy() for k, v in model.state_dict().items()}}
 
 
-def run_in_subprocess(layout: str, n: int, steps: int = 3, timeout: float = 240) -> dict:
-    """run_layout in a fresh Python with n CPU devices (what a process that forks torch ranks must use)."""
+def run_in_subprocess(layout: str | tuple[str, ...], n: int, steps: int = 3, timeout: float = 240) -> dict:
+    """run_layout in a fresh Python with n CPU devices (what a process that forks torch ranks must use).
+    Several layouts, one Python (JAX starts once): {layout: run_layout's result}."""
+    layouts = (layout,) if isinstance(layout, str) else tuple(layout)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    command = [sys.executable, "-m", "shardlib.lessons.jax_sharding", layout, str(n), str(steps)]
+    command = [sys.executable, "-m", "shardlib.lessons.jax_sharding", ",".join(layouts), str(n), str(steps)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
     if done.returncode:
-        raise RuntimeError(f"JAX run of layout {layout!r} on {n} devices failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.splitlines()[-1])
+        raise RuntimeError(f"JAX run of layouts {layouts} on {n} devices failed:\n{done.stderr[-3000:]}")
+    runs = json.loads(done.stdout.splitlines()[-1])
+    return runs[layout] if isinstance(layout, str) else runs
 
 
 # ---------------------------------------------------------------------------------
@@ -253,11 +256,12 @@ def _shardlib_layout_on_rank(layout: str) -> dict:
     return ledger.summary()
 
 
-def shardlib_ledgers(n: int) -> dict:
+def shardlib_ledgers(n: int, device: str = "auto") -> dict:
     """{layout: rank 0's ledger summary of one training step} with shardlib's techniques on n torch ranks."""
     from shardlib.launch import launch
 
-    return {layout: launch(_shardlib_layout_on_rank, n, args=(layout,), timeout=120)[0] for layout in LAYOUTS}
+    return {layout: launch(_shardlib_layout_on_rank, n, args=(layout,), timeout=120, device=device)[0]
+            for layout in LAYOUTS}
 
 
 def jax_summary(collectives: list[dict]) -> dict:
@@ -270,7 +274,7 @@ def jax_summary(collectives: list[dict]) -> dict:
     return table
 
 
-if __name__ == "__main__":  # python -m shardlib.lessons.jax_sharding LAYOUT N STEPS -> one JSON line
-    layout_arg, n_arg, steps_arg = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if __name__ == "__main__":  # python -m shardlib.lessons.jax_sharding LAYOUT[,LAYOUT...] N STEPS -> one JSON line
+    layouts_arg, n_arg, steps_arg = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
     set_cpu_devices(n_arg)
-    print(json.dumps(run_layout(layout_arg, n_arg, steps_arg)))
+    print(json.dumps({layout: run_layout(layout, n_arg, steps_arg) for layout in layouts_arg}))

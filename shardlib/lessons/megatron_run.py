@@ -124,7 +124,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare_tp_pair(world_size: int, *, d: int = 32, k: int = 128, shape: tuple[int, int] = (4, 16),
-                    seed: int = 0, timeout: float = 180) -> dict:
+                    seed: int = 0, timeout: float = 180, device: str = "auto") -> dict:
     """Megatron-Core's and shardlib's column->row pair on `world_size` ranks vs one device.
 
     Returns rank 0's view: {"max_rel": {what: largest relative difference}, "records": {library:
@@ -133,7 +133,7 @@ def compare_tp_pair(world_size: int, *, d: int = 32, k: int = 128, shape: tuple[
     if k % world_size:
         raise ValueError(f"the hidden width k={k} must split over t={world_size} ranks; pick k divisible by t")
     import_megatron()  # once, here: the forked ranks inherit it
-    r = launch(_pair_on_rank, world_size, args=(d, k, shape, seed), timeout=timeout)[0]
+    r = launch(_pair_on_rank, world_size, args=(d, k, shape, seed), timeout=timeout, device=device)[0]
     one = r["one_device"]
     max_rel = {}
     for name in ("megatron", "shardlib"):
