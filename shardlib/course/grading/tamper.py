@@ -81,6 +81,8 @@ def _shardlib_grader_state(chains, import_source, nonce):
     private = {}
     if import_source is not None:  # the baseline: first import what the released cells import
         exec(import_source, private)
+        if "torch" in sys.modules:  # torch rebinds torch.manual_seed when torch._dynamo is first imported (lazily,
+            import torch._dynamo  # by torch.optim, torch.profiler or shardlib.launch): its own change, not tampering
     shell = get_ipython()
     kernel = getattr(shell, "kernel", None)
     out = {"nonce": nonce}
