@@ -13,6 +13,8 @@ Training with Adam, "model states" = parameters + gradients + optimizer state, p
     mixed_adam_fp32_grads  2 + 4 + 12     = 18   (gradients accumulated in fp32)
                                                  Megatron Core distributed optimizer docs;
                                                  Hugging Face "Model training anatomy" (6 + 4 + 8)
+    mixed_adam_fp32_main_grads 2 + 2 + 16 = 20  (16-bit grads, fp32 main grads beside master, m, v)
+                                                 Megatron Core distributed optimizer: 4 + 16/d sharded
     bf16_master_adam       2 + 2 + 6      = 10   (bf16 master weights, grads and Adam moments)
                                                  DeepSpeedExamples training/bf16_master_weight
     Each source counts different copies of the same parameter: that is why 10, 16 and 18
@@ -110,6 +112,14 @@ TRAINING_RECIPES: dict[str, Recipe] = {
                "Hugging Face 'Model training anatomy': weights 6 (fp32 + half copy) + gradients 4 + Adam 8 "
                "(https://huggingface.co/docs/transformers/model_memory_anatomy); "
                "DeepSpeedExamples training/bf16_master_weight/README.md: baseline 18N",
+    ),
+    "mixed_adam_fp32_main_grads": Recipe(
+        2, 2, 16,
+        copies="fp16/bf16 weights (2) and gradients (2); fp32 master weights, m, v and main gradients (4 x 4), "
+               "the 16 sharded by Megatron's distributed optimizer",
+        source="Megatron Core distributed optimizer: 'fp16 parameters, fp16 gradients: 20', '4 + 16/d' with the "
+               "distributed optimizer (https://github.com/NVIDIA/Megatron-LM/blob/main/docs/user-guide/features/"
+               "dist_optimizer.md)",
     ),
     "bf16_master_adam": Recipe(
         2, 2, 6,

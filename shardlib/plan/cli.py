@@ -15,7 +15,6 @@ import sys
 from dataclasses import asdict
 
 from shardlib import memory
-from shardlib.plan.cost import DEFAULT_EFFICIENCY
 from shardlib.plan.inference import GPU_SIZES_GIB, format_inference_table, inference_table, predict_inference
 from shardlib.plan.inputs import CP_METHODS, PRESETS, Cluster, Layout, count_text, load_model
 from shardlib.plan.planner import NoLayoutFits, plan, predict
@@ -51,9 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     job.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
     job.add_argument("--recipe", default="mixed_adam", choices=sorted(memory.TRAINING_RECIPES),
                      help="bytes per parameter of the model states (default: 16, mixed-precision Adam)")
-    job.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
-                     help=f"fraction of peak FLOP/s the matrix products reach (default {DEFAULT_EFFICIENCY}: "
-                          "see shardlib/plan/cost.py)")
+    job.add_argument("--efficiency", type=float, default=None,
+                     help="fraction of the GPU's measured matmul ceiling the products reach (default: fitted per "
+                          "GPU, shardlib/plan/fitted.py)")
     job.add_argument("--no-overlap", action="store_true", help="expose all data-parallel communication (default: "
                      "hidden behind compute where shorter, as PyTorch's DDP and FSDP do)")
     job.add_argument("--reserve-gib", type=float, default=0.0, help="GiB per GPU kept free (context, fragmentation)")

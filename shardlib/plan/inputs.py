@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from shardlib.plan.fitted import FITTED
 from shardlib.plan.model import PRESETS, ModelSpec, count_text, load_model  # noqa: F401  (re-exported)
 
 GiB = 2**30
@@ -29,7 +30,11 @@ class Cluster:
     between nodes one 200 Gb/s HDR InfiniBand link per GPU, 25 GB/s (DGX SuperPOD reference
     architecture, RA-09950-001). host_mem_bw_gbps: CPU memory bandwidth per GPU for an offloaded
     optimizer step: a DGX A100's two AMD EPYC 7742 have 8 DDR4-3200 channels each, 2 x 204.8 GB/s
-    for 8 GPUs. alpha_us: latency per message, an assumption."""
+    for 8 GPUs. matmul_tflops: the fastest bf16 matrix product measured on the GPU, n_sm its
+    streaming multiprocessors (shardlib/plan/gemm.py; GPUS below), matmul_fraction the part of that
+    rate a training job's products reach (fitted, shardlib/plan/fitted.py; the A100's by default). alpha_us: latency per step of a
+    ring collective: an 8-byte all-reduce over 2 NVLink A100s takes 9.85 us for its 2 steps
+    (https://github.com/NVIDIA/nccl-tests/issues/331)."""
 
     n_nodes: int = 1
     gpus_per_node: int = 8
@@ -41,10 +46,13 @@ class Cluster:
     hbm_bw_gbps: float = 2039.0
     pcie_bw_gbps: float = 32.0
     host_mem_bw_gbps: float = 51.2
+    matmul_tflops: float = 267.9
+    n_sm: int = 108
+    matmul_fraction: float = FITTED["a100"]
 
     def __post_init__(self):
         for key, value in asdict(self).items():
-            whole = key in ("n_nodes", "gpus_per_node")
+            whole = key in ("n_nodes", "gpus_per_node", "n_sm")
             if not (isinstance(value, (int, float)) and value > 0) or (whole and not isinstance(value, int)):
                 raise ValueError(f"Cluster.{key} must be a positive {'integer' if whole else 'number'}, got {value!r}")
 
@@ -53,8 +61,13 @@ class Cluster:
         return self.n_nodes * self.gpus_per_node
 
     @classmethod
-    def of(cls, n_gpus: int, gpus_per_node: int = 8, **kwargs) -> "Cluster":
-        """n_gpus in nodes of gpus_per_node (fewer than that: one node holding them all)."""
+    def of(cls, n_gpus: int, gpus_per_node: int = 8, gpu: str | None = None, **kwargs) -> "Cluster":
+        """n_gpus in nodes of gpus_per_node (fewer than that: one node holding them all); gpu: a name
+        of GPUS ("a100", "h100") whose figures the keyword arguments may override."""
+        if gpu is not None:
+            if gpu not in GPUS:
+                raise ValueError(f"unknown gpu {gpu!r}: use one of {sorted(GPUS)} or give the figures as keywords")
+            kwargs = {**GPUS[gpu], **kwargs}
         if not isinstance(n_gpus, int) or n_gpus < 1:
             raise ValueError(f"the number of GPUs must be a positive integer, got {n_gpus!r}")
         if n_gpus <= gpus_per_node:
@@ -65,6 +78,19 @@ class Cluster:
         return cls(n_gpus // gpus_per_node, gpus_per_node, **kwargs)
 
 
+# Servers of 8 GPUs. A100 SXM 80GB: the defaults above; 108 SMs (A100 whitepaper). H100 SXM 80GB: 989 TFLOP/s
+# dense bf16, 3,350 GB/s HBM3, NVLink 900 GB/s both ways, 132 SMs
+# (https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet); one 400 Gb/s ConnectX-7 per
+# GPU between servers (https://www.nvidia.com/en-us/data-center/dgx-h100/); PCIe 5.0 x16, 64 GB/s each way.
+# matmul_tflops: measured maxima of bf16 products (ml-engineering's table, shardlib/plan/gemm.py).
+GPUS = {
+    "a100": dict(gpu_mem_gib=80.0, peak_tflops=312.0, matmul_tflops=267.9, n_sm=108, hbm_bw_gbps=2039.0,
+                 intra_bw_gbps=300.0, inter_bw_gbps=25.0, pcie_bw_gbps=32.0, matmul_fraction=FITTED["a100"]),
+    "h100": dict(gpu_mem_gib=80.0, peak_tflops=989.0, matmul_tflops=792.1, n_sm=132, hbm_bw_gbps=3350.0,
+                 intra_bw_gbps=450.0, inter_bw_gbps=50.0, pcie_bw_gbps=64.0, matmul_fraction=FITTED["h100"]),
+}
+
+
 @dataclass(frozen=True)
 class Layout:
     """One way to run the job. micro_batch: sequences per forward on one GPU.
@@ -73,7 +99,10 @@ class Layout:
     (arXiv 2310.01889) or Ulysses all-to-alls (arXiv 2309.14509); ep: expert-parallel size, inside
     the data-parallel group (each rank keeps E/ep experts; GShard, arXiv 2006.16668);
     virtual_stages: v chunks of layers per pipeline rank, the interleaved 1F1B schedule
-    (arXiv 2104.04473); offload: optimizer states and step on the CPU (ZeRO-Offload, arXiv 2101.06840).
+    (arXiv 2104.04473); offload: optimizer states and step on the CPU (ZeRO-Offload, arXiv 2101.06840);
+    tp_overlap: the tensor-parallel all-gathers and reduce-scatters of sequence parallelism split into
+    chunks and overlapped with the matrix products they feed, as Megatron-Core's --tp-comm-overlap does
+    with Transformer Engine's userbuffers (needs sequence_parallel).
     """
 
     dp: int = 1
@@ -88,13 +117,24 @@ class Layout:
     ep: int = 1
     virtual_stages: int = 1
     offload: bool = False
+    tp_overlap: bool = False
 
     @property
     def n_gpus(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
 
+    def caveats(self) -> list[str]:
+        """What a framework refuses about this layout that the planner still costs (marked * in its table)."""
+        notes = []
+        if self.zero >= 2 and self.pp > 1:
+            notes.append(f"ZeRO-{self.zero} inside a pipeline: DeepSpeed refuses it (\"ZeRO-2 and ZeRO-3 are "
+                         "incompatible with pipeline parallelism\", deepspeed/runtime/pipe/engine.py) because its "
+                         "collectives then run once per micro-batch, tens to hundreds of times a step "
+                         "(https://github.com/deepspeedai/DeepSpeed/issues/4164); costed here that way")
+        return notes
+
     def __str__(self) -> str:
-        sp = "+sp" if self.sequence_parallel else ""
+        sp = ("+sp" if self.sequence_parallel else "") + ("+overlap" if self.tp_overlap else "")
         cp = f" cp{self.cp}{'u' if self.cp_method == 'ulysses' else ''}" if self.cp > 1 else ""
         ep = f" ep{self.ep}" if self.ep > 1 else ""
         v = f"v{self.virtual_stages}" if self.virtual_stages > 1 else ""

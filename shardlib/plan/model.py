@@ -17,6 +17,17 @@ are split ep ways by expert parallelism (each rank holds E/ep whole experts, eac
 
 Psi counts every parameter; the FLOPs of a step count the active ones (a token visits top_k
 experts, not E) and only those in matrix products (the embedding lookup is not one).
+
+Activations one layer keeps for backward, 16-bit, per token of a micro-batch, in units of h bytes
+(Korthikanti et al., arXiv 2205.05198, Section 4.1, for a GPT layer: 34 + 5 a s / h), term by term,
+r = key-value heads / heads, f the MLP size:
+    outside the tensor-parallel regions  2 norm inputs (2 + 2), the inputs of the QKV and first MLP
+                                         products (2 + 2), 2 dropout masks (1 + 1)     = 8 (+ 2)
+    inside (split by t)                  Q 2, K and V 4 r, the attention output 2; the MLP's
+                                         activation input and output 4 f / h, or with a gated MLP
+                                         its two inputs and the product 6 f / h         = 8 + 16 at r = 1, f = 4h
+    scores (split by t, a s / h of them) softmax output 2, dropout mask 1 and output 2 = 5 (2 without dropout)
+A GPT layer (dropout, r = 1, f = 4h) gives the paper's 10 + 24 and 5 a s / h.
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ class ModelSpec:
     n_experts: int = 0  # mixture of experts: experts per layer (0: a dense MLP)
     top_k: int = 2  # experts each token visits
     capacity_factor: float = 1.0  # expert buffers hold capacity_factor * top_k * tokens / E tokens each
+    dropout: bool = True  # dropout on the scores and the residual branches (GPT-2 yes; Llama, Nemotron no)
     n_params: int | None = None
     name: str = "model"
 
@@ -108,6 +120,19 @@ class ModelSpec:
             return split, replicated + h * self.n_experts  # the router
         mlp_split, mlp_replicated = self.mlp_params()
         return split + mlp_split, replicated + mlp_replicated
+
+    def activation_terms(self) -> tuple[float, float, float]:
+        """(outside, inside, scores): bytes per token and per h one layer keeps for backward, 16-bit; the
+        scores term counts a s / h of them (module docstring). Inside holds one MLP's share (an MoE layer
+        keeps one per routed copy)."""
+        r, f = self.kv_heads / self.n_head, self.ffn / self.hidden
+        outside = 8 + 2 * self.dropout
+        attention = 2 + 4 * r + 2
+        return outside, attention + self.mlp_activation_term(), 2 + 3 * self.dropout
+
+    def mlp_activation_term(self) -> float:
+        """The MLP's part of the inside term: 4 f / h, or 6 f / h gated."""
+        return (6 if self.gated_mlp else 4) * self.ffn / self.hidden
 
     def expert_params(self) -> int:
         """Parameters of the E experts of one layer (0 for a dense model); split over ep and t."""
@@ -163,6 +188,7 @@ class ModelSpec:
         """The course's GPT (shardlib.models.GPTConfig): no key bias; grouped-query attention and
         experts when the config has them."""
         return cls(config.n_layer, config.n_embd, config.n_head, config.vocab_size, config.seq_len, key_bias=False,
+                   dropout=getattr(config, "dropout", 0.0) > 0,
                    n_kv_head=getattr(config, "n_kv_head", None), n_experts=getattr(config, "n_experts", 0) or 0,
                    top_k=getattr(config, "top_k", 2), capacity_factor=getattr(config, "capacity_factor", 1.0),
                    name=name)
@@ -193,6 +219,8 @@ class ModelSpec:
                              "num_hidden_layers, num_attention_heads, vocab_size, max_position_embeddings")
         rotary = "rope_theta" in config or config.get("model_type") in ROTARY_MODELS
         gated = get("hidden_act", "activation_function", default="gelu") in ("silu", "swiglu")
+        dropout = get("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "hidden_dropout",
+                      "resid_pdrop", "hidden_dropout_prob", default=0.0 if rotary else 0.1)
         return cls(
             n_layer=layers, hidden=hidden, n_head=heads, vocab_size=vocab,
             seq_len=seq_len or positions or 2048, ffn_hidden=get("intermediate_size", "n_inner"),
@@ -201,6 +229,7 @@ class ModelSpec:
             norm="rmsnorm" if "rms_norm_eps" in config else "layernorm", learned_positions=not rotary,
             n_positions=positions, tied_embeddings=bool(get("tie_word_embeddings", default=not gated)),
             n_experts=get("num_local_experts", "num_experts", default=0), top_k=get("num_experts_per_tok", default=2),
+            dropout=float(dropout) > 0,
             name=name or config.get("_name_or_path") or config.get("model_type") or "hf-model")
 
     @classmethod
@@ -229,7 +258,7 @@ def _course_gpt() -> ModelSpec:
 
 def _llama(name, layers, hidden, heads, ffn, seq_len, vocab=32000, kv_heads=None) -> ModelSpec:
     return ModelSpec(layers, hidden, heads, vocab, seq_len, ffn_hidden=ffn, n_kv_head=kv_heads, gated_mlp=True,
-                     bias=False, norm="rmsnorm", learned_positions=False, name=name)
+                     bias=False, norm="rmsnorm", learned_positions=False, dropout=False, name=name)
 
 
 PRESETS = {
@@ -253,6 +282,11 @@ PRESETS = {
     # embeddings); vocabulary padded to 250,880 (bigscience train/tr11-176B-ml/tr11-176B-ml.slurm)
     "bloom-176b": lambda: ModelSpec(70, 14336, 112, 250880, 2048, tied_embeddings=True, learned_positions=False,
                                     name="bloom-176b"),
+    # Nemotron-4 340B: NeMo-Framework-Launcher launcher_scripts/conf/training/nemotron/nemotron_340b.yaml and NeMo's
+    # Nemotron4Config340B: 96 layers, hidden 18,432, MLP 4h with squared ReLU, 96 heads, 8 key-value groups, no
+    # biases, LayerNorm, rotary embeddings, untied embeddings, no dropout, the 256k-token SentencePiece vocabulary
+    "nemotron4-340b": lambda: ModelSpec(96, 18432, 96, 256000, 4096, n_kv_head=8, bias=False, learned_positions=False,
+                                        dropout=False, name="nemotron4-340b"),
     "gpt-small": _course_gpt,
     "minilm": _minilm,
 }

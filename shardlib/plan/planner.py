@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardlib import memory
-from shardlib.plan.cost import DEFAULT_EFFICIENCY, Costs, Layouts, costs
+from shardlib.plan.cost import ATTENTION, FITTED, Costs, Layouts, Options, costs
 from shardlib.plan.inputs import CP_METHODS, RECOMPUTE, Cluster, GiB, Layout
 from shardlib.plan.model import ModelSpec, count_text
 from shardlib.plan.report import explain, format_table
@@ -89,9 +89,13 @@ def _check_batch(global_batch) -> None:
         raise ValueError(f"global_batch must be a positive integer (sequences per step), got {global_batch!r}")
 
 
-def _check_options(cluster: Cluster, efficiency: float, overlap, reserve_gib: float) -> None:
-    if not 0 < efficiency <= 1:
-        raise ValueError(f"efficiency must be in (0, 1], the fraction of peak FLOP/s reached; got {efficiency!r}")
+def _check_options(cluster: Cluster, efficiency, overlap, reserve_gib: float, attention: str = "flash") -> None:
+    if efficiency is not None and not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency must be in (0, 1], the fraction of the GPU's measured matmul ceiling "
+                         f"(Cluster.matmul_tflops) the products reach; got {efficiency!r}")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION} (FlashAttention, or scores written out), "
+                         f"got {attention!r}")
     if not isinstance(overlap, bool):
         raise ValueError(f"overlap must be True (hide data-parallel communication behind compute) or False; "
                          f"got {overlap!r}")
@@ -116,9 +120,17 @@ def check_layout(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch
                         f"the MLP size ({spec.ffn})")
     if p > spec.n_layer:
         problems.append(f"pp={p} is more stages than the {spec.n_layer} layers")
-    if v > 1 and (p == 1 or p * v > spec.n_layer):
-        problems.append(f"virtual_stages={v} needs pp > 1 and at least one layer per chunk: pp*virtual_stages "
-                        f"at most the {spec.n_layer} layers")
+    if v > 1 and (p == 1 or p * v > spec.n_layer + 2):
+        problems.append(f"virtual_stages={v} needs pp > 1 and a layer in every chunk but the first and the last "
+                        f"(which may hold only the embedding or the loss: Megatron-Core's "
+                        f"account_for_embedding_in_pipeline_split): pp*virtual_stages at most {spec.n_layer} + 2")
+    elif v > 1 and lay.n_gpus == cluster.n_gpus and not global_batch % (d * b) and (global_batch // (d * b)) % p:
+        problems.append(f"the interleaved schedule runs micro-batches in groups of pp={p}: the "
+                        f"{global_batch // (d * b)} micro-batches per step must be a multiple of it "
+                        "(Megatron-Core, megatron/core/pipeline_parallel/schedules.py)")
+    if lay.tp_overlap and not (lay.sequence_parallel and t > 1):
+        problems.append("tp_overlap overlaps sequence parallelism's all-gathers and reduce-scatters with the "
+                        "products they feed: it needs tp > 1 and sequence_parallel=True")
     if lay.zero not in (0, 1, 2, 3) or lay.recompute not in RECOMPUTE or lay.cp_method not in CP_METHODS:
         problems.append(f"zero must be 0..3, recompute one of {RECOMPUTE}, cp_method one of {CP_METHODS}")
     if lay.sequence_parallel and t > 1 and (spec.seq_len // c) % t:
@@ -143,26 +155,28 @@ def check_layout(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch
 def _row(lay: Layout) -> tuple:
     return (lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.micro_batch, RECOMPUTE.index(lay.recompute),
             float(lay.sequence_parallel and lay.tp > 1), float(lay.cp_method == "ulysses"), lay.virtual_stages,
-            float(lay.offload))
+            float(lay.offload), float(lay.tp_overlap))
 
 
 def _layout(row: tuple) -> Layout:
-    d, t, p, c, e, z, b, r, sp, uly, v, off = row
+    d, t, p, c, e, z, b, r, sp, uly, v, off, ovl = row
     return Layout(dp=int(d), tp=int(t), pp=int(p), zero=int(z), micro_batch=int(b), recompute=RECOMPUTE[int(r)],
                   sequence_parallel=bool(sp), cp=int(c), cp_method=CP_METHODS[int(uly)], ep=int(e),
-                  virtual_stages=int(v), offload=bool(off))
+                  virtual_stages=int(v), offload=bool(off), tp_overlap=bool(ovl))
 
 
 def predict(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int, *, recipe="mixed_adam",
-            efficiency: float = DEFAULT_EFFICIENCY, overlap: bool = True, stage: int | None = None,
-            reserve_gib: float = 0.0) -> Estimate:
+            efficiency: float | None = None, overlap: bool = True, attention: str = "flash",
+            stage: int | None = None, reserve_gib: float = 0.0, link_efficiency: tuple = (FITTED["nvlink"], FITTED["network"]),
+            hbm_efficiency: float = FITTED["hbm"]) -> Estimate:
     """The costs of one layout: on its busiest GPU, or (stage=k) on a GPU of pipeline stage k.
     Options as plan's; recipe: a name of memory.TRAINING_RECIPES or a memory.Recipe."""
-    _check_options(cluster, efficiency, overlap, reserve_gib)
+    _check_options(cluster, efficiency, overlap, reserve_gib, attention)
     check_layout(spec, cluster, layout, global_batch)
     if stage is not None and not 0 <= stage < layout.pp:
         raise ValueError(f"stage must be in 0..{layout.pp - 1}, got {stage}")
-    out = costs(spec, cluster, Layouts.from_rows([_row(layout)]), global_batch, recipe, efficiency, overlap, stage)
+    options = Options(recipe, efficiency, overlap, attention, link_efficiency, hbm_efficiency)
+    out = costs(spec, cluster, Layouts.from_rows([_row(layout)]), global_batch, options, stage)
     return _Estimates(out, [_row(layout)], cluster, reserve_gib)[0]
 
 
@@ -202,7 +216,7 @@ def _divisors(n: int) -> list[int]:
 def _candidate_rows(spec: ModelSpec, cluster: Cluster, global_batch: int, *, dp=None, tp=None, pp=None, cp=None,
                     ep=None, max_tp=None, max_pp=None, max_cp=16, zero_stages=(0, 1, 2, 3), recompute=RECOMPUTE,
                     sequence_parallel=(False, True), micro_batches=None, max_micro_batch=16,
-                    virtual_stages=(1, 2, 4), cp_methods=CP_METHODS, offload=(False,),
+                    virtual_stages=None, cp_methods=CP_METHODS, offload=(False,), tp_overlap=(False, True),
                     tp_within_node: bool = False) -> list[tuple]:
     _check_batch(global_batch)
     n, g, L, s = cluster.n_gpus, cluster.gpus_per_node, spec.n_layer, spec.seq_len
@@ -227,12 +241,15 @@ def _candidate_rows(spec: ModelSpec, cluster: Cluster, global_batch: int, *, dp=
                 zeros = zero_stages if d * c > 1 else (0,)
                 for b in sizes:
                     m = global_batch // (d * b)
-                    vs = [v for v in virtual_stages if v == 1 or (p > 1 and L % (p * v) == 0 and m % p == 0)]
+                    most = -(-L // p)  # layers of the fullest stage
+                    vs = [v for v in (virtual_stages or _divisors(most)) if v == 1 or (
+                        p > 1 and v * p <= L + 2 and m % p == 0 and (virtual_stages or most % v == 0))]
                     for e, u, v in itertools.product(experts, methods, vs):
                         if not fixed(ep, e):
                             continue
                         for z, r, sp, off in itertools.product(zeros, recompute, sps, offload):
-                            rows.append((d, t, p, c, e, z, b, RECOMPUTE.index(r), sp, u, v, float(off)))
+                            for ovl in ([float(x) for x in tp_overlap] if sp else [0.0]):
+                                rows.append((d, t, p, c, e, z, b, RECOMPUTE.index(r), sp, u, v, float(off), ovl))
     return rows
 
 
@@ -245,8 +262,10 @@ def _cp_method_fits(spec: ModelSpec, t: int, c: int, method: str) -> bool:
 def candidate_layouts(spec: ModelSpec, cluster: Cluster, global_batch: int, **choices) -> list[Layout]:
     """Every layout that can run (check_layout's rules), narrowed by `choices`: fixed sizes dp, tp, pp,
     cp, ep; bounds max_tp, max_pp, max_cp (default 16), max_micro_batch (default 16); the options to try:
-    zero_stages, recompute, sequence_parallel, micro_batches, virtual_stages (default 1, 2, 4), cp_methods,
-    offload (default (False,)); tp_within_node. ZeRO only when dp*cp > 1, sequence parallelism only with tp > 1."""
+    zero_stages, recompute, sequence_parallel, micro_batches, virtual_stages (default: every count that divides
+    the layers of a stage), cp_methods, offload (default (False,)), tp_overlap (default both, with sequence
+    parallelism); tp_within_node. ZeRO only when dp*cp > 1 (stages 2 and 3 only without a pipeline), sequence
+    parallelism only with tp > 1."""
     return [_layout(row) for row in _candidate_rows(spec, cluster, global_batch, **choices)]
 
 
@@ -259,10 +278,19 @@ class Plan:
     global_batch: int
     ranked: Sequence[Estimate]
     rejected: Sequence[Estimate] = field(repr=False)
+    options: Options = field(default_factory=Options)
 
     @property
     def best(self) -> Estimate:
         return self.ranked[0]
+
+    def find(self, layout: Layout) -> tuple[int | None, Estimate | None]:
+        """(rank, estimate) of `layout` in this plan: rank 1 is the best; (None, estimate) when it does not
+        fit, (None, None) when it is outside the search."""
+        for i, e in enumerate(self.ranked):
+            if e.layout == layout:
+                return i + 1, e
+        return None, next((e for e in self.rejected if e.layout == layout), None)
 
     def runner_up(self) -> Estimate | None:
         """The fastest layout with another mesh (dp, cp, tp, pp) than the best."""
@@ -272,29 +300,36 @@ class Plan:
     def table(self, k: int = 10) -> str:
         return format_table(self.ranked[:k], self.cluster)
 
-    def explain(self) -> str:
-        return explain(self)
+    def explain(self, against: Layout | None = None) -> str:
+        """Why the best layout wins; with `against`, what decides it over that layout (the single assumption)."""
+        return explain(self, against)
 
 
 def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_adam",
-         efficiency: float = DEFAULT_EFFICIENCY, overlap: bool = True, reserve_gib: float = 0.0, **choices) -> Plan:
+         efficiency: float | None = None, overlap: bool = True, attention: str = "flash",
+         reserve_gib: float = 0.0, link_efficiency: tuple = (FITTED["nvlink"], FITTED["network"]), hbm_efficiency: float = FITTED["hbm"],
+         **choices) -> Plan:
     """Enumerate the layouts, predict each, rank those that fit by step time (then memory).
 
     recipe: bytes per parameter of the model states (memory.TRAINING_RECIPES); efficiency: the
-    fraction of peak FLOP/s the compute reaches (cost.DEFAULT_EFFICIENCY says where the default comes
-    from); overlap: hide data-parallel communication behind compute where it is shorter (default,
-    as PyTorch's DDP and FSDP do); reserve_gib: memory per GPU kept free. `choices` narrow the
-    enumeration (candidate_layouts). Raises NoLayoutFits, naming the smallest memory any layout
-    needs, when none fits.
+    fraction of the GPU's measured matmul ceiling its products reach (default: the cluster's fitted
+    matmul_fraction); overlap:
+    overlap data-parallel communication with compute, as PyTorch's DDP and FSDP and Megatron's
+    --overlap-grad-reduce do (default), paying the overlap rule of shardlib/plan/links.py; attention:
+    "flash" (FlashAttention, default) or "unfused" (the scores written out, as Megatron-LM in 2021-22);
+    reserve_gib: memory per GPU kept free; link_efficiency (inside a node, across), hbm_efficiency: the
+    fractions of the links' and of HBM's bandwidth reached (fitted, shardlib/plan/fitted.py). `choices` narrow the enumeration (candidate_layouts). Raises
+    NoLayoutFits, naming the smallest memory any layout needs, when none fits.
     """
-    _check_options(cluster, efficiency, overlap, reserve_gib)
+    _check_options(cluster, efficiency, overlap, reserve_gib, attention)
     rows = _candidate_rows(spec, cluster, global_batch, **choices)
     if not rows:
         raise ValueError(f"no layout of {cluster.n_gpus} GPUs can run {spec.name} with a global batch of "
                          f"{global_batch} and these choices: tp must divide {spec.n_head} heads, pp be at most the "
                          f"{spec.n_layer} layers, dp divide the batch. Change the number of GPUs, the global batch "
                          "or the filters.")
-    out = costs(spec, cluster, Layouts.from_rows(rows), global_batch, recipe, efficiency, overlap)
+    options = Options(recipe, efficiency, overlap, attention, link_efficiency, hbm_efficiency)
+    out = costs(spec, cluster, Layouts.from_rows(rows), global_batch, options)
     usable = (cluster.gpu_mem_gib - reserve_gib) * GiB
     total, step = out.memory.total, out.time.total
     fits = total <= usable
@@ -305,7 +340,7 @@ def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_
     rejected = _Estimates(out, rows, cluster, reserve_gib, by_memory[~fits[by_memory]].tolist())  # smallest first
     if not len(ranked):
         raise NoLayoutFits(_no_fit_message(spec, cluster, recipe, reserve_gib, rejected[0]), rejected[0])
-    return Plan(spec, cluster, global_batch, ranked, rejected)
+    return Plan(spec, cluster, global_batch, ranked, rejected, options)
 
 
 def _no_fit_message(spec, cluster, recipe, reserve_gib, smallest: Estimate) -> str:

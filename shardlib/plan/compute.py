@@ -1,0 +1,109 @@
+"""One layer of one micro-batch on one GPU: the seconds of its matrix products and memory-bound kernels,
+and the bytes it keeps for backward. Columns of layouts in, columns of numbers out (shardlib/plan/cost.py).
+
+Products of a layer, T = b s / c local tokens, on a tensor-parallel rank (Megatron-LM's split,
+arXiv 1909.08053), each timed by the GPU's matmul curve (shardlib/plan/gemm.py), forward and backward:
+    QKV (T, (h + 2 h_kv) / t, h), output (T, h, h / t), MLP up (T, f / t, h) (2 f / t gated),
+    MLP down (T, h, f / t); an MoE layer's E / e experts take T k C_f e / E tokens each.
+Attention core: Q K^T and A V on b a / t heads of (s / c) x s scores. Written out ("unfused", as
+Megatron-LM did in 2021-22) they are two batched products of that shape, backward twice the forward,
+selective recomputation one more forward. FlashAttention (arXiv 2205.14135, 2307.08691) never writes
+the scores: its causal kernel skips the masked half of the blocks, and its backward recomputes them,
+2.5 x the forward's FLOPs (five products against two). It reaches 50-73% of an A100's peak (FlashAttention-2,
+arXiv 2307.08691, abstract), against 85.9% for a large product: FLASH_FRACTION of the matmul ceiling.
+Memory-bound kernels between the products, 16-bit, per layer forward: 2 norms (read + write 2 s b h each:
+8 s b h), bias + activation of the MLP (16 s b h), 2 bias-dropout-adds (7 s b h each, masks 1 byte) and,
+with unfused attention not recomputed selectively, 13 a s^2 b of scores (Q K^T output 2, softmax 4,
+dropout 5, read by A V 2); backward moves twice the forward's bytes.
+Activations: spec.activation_terms() (shardlib/plan/model.py), s b h bytes times each term.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardlib.plan.gemm import forward_backward_seconds
+
+FLASH_FRACTION = 0.615 / 0.859  # FlashAttention-2 on A100: 50-73% of peak (midpoint), a large product 85.9%
+LOSS_BYTES = 2 + 4 + 4 + 4 + 8 + 6  # per logit, the cross-entropy's passes (output_layer_seconds)
+FLASH_BACKWARD = 2.5  # FLOPs of FlashAttention's backward over its forward: 5 products of the forward's 2
+
+
+def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, flash: bool, scale: float = 1.0):
+    """Seconds of one layer, one micro-batch: dict(gemm_fwd, gemm_bwd, attn_fwd, attn_bwd, elem_fwd, elem_bwd).
+    gemm_*: the weight products; attn_*: the attention core (its backward holds FlashAttention's recompute);
+    scale: bytes per value over 2 (1 for 16-bit training) for the memory-bound kernels."""
+    t, cp, b = c.tp, c.cp, c.micro_batch
+    h, s, f = spec.hidden, spec.seq_len, spec.ffn
+    tokens = b * s / cp
+    kv = h * spec.kv_heads / spec.n_head
+    up = f * (2 if spec.gated_mlp else 1)
+    fb = lambda m, n, k, batch=1.0: forward_backward_seconds(m, n, k, cluster, fraction, hbm_fraction, batch)  # noqa
+    shapes = [(tokens, (h + 2 * kv) / t, h), (tokens, h, h / t)]
+    if spec.moe:
+        per_expert = tokens * spec.top_k * spec.capacity_factor * c.ep / spec.n_experts
+        experts = spec.n_experts / c.ep
+        shapes += [(per_expert, up / t, h, experts), (per_expert, h, f / t, experts), (tokens, spec.n_experts, h)]
+    else:
+        shapes += [(tokens, up / t, h), (tokens, h, f / t)]
+    times = [fb(*shape) for shape in shapes]
+    gemm_fwd, gemm_bwd = sum(x[0] for x in times), sum(x[1] for x in times)
+    if spec._extra_layer_params():  # parameters `n_params` adds, at the rate of the QKV product
+        extra = spec._extra_layer_params() / t
+        qkv_flops = 2.0 * tokens * (h + 2 * kv) / t * h
+        gemm_fwd = gemm_fwd + times[0][0] * 2.0 * tokens * extra / qkv_flops
+        gemm_bwd = gemm_bwd + times[0][1] * 2.0 * tokens * extra / qkv_flops
+    attn_fwd, attn_bwd = attention_seconds(spec, cluster, c, fraction, hbm_fraction, flash)
+    traffic = layer_traffic(spec, c, flash)
+    elem = traffic * scale / (cluster.hbm_bw_gbps * 1e9 * hbm_fraction)  # forward
+    return dict(gemm_fwd=gemm_fwd, gemm_bwd=gemm_bwd, attn_fwd=attn_fwd, attn_bwd=attn_bwd, elem_fwd=elem,
+                elem_bwd=2 * elem)
+
+
+def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, flash: bool):
+    """(forward, backward) seconds of Q K^T and A V on this rank's b a / t heads of (s / c) x s scores."""
+    t, cp, b, s, d = c.tp, c.cp, c.micro_batch, spec.seq_len, spec.head_dim
+    heads = b * spec.n_head / t
+    if flash:
+        flops = 4.0 * heads * (s / cp) * s * d * 0.5  # causal: the kernel skips the masked half
+        rate = cluster.matmul_tflops * 1e12 * fraction * FLASH_FRACTION
+        return flops / rate, FLASH_BACKWARD * flops / rate
+    scores = forward_backward_seconds(s / cp, s, d, cluster, fraction, hbm_fraction, heads)
+    values = forward_backward_seconds(s / cp, d, s, cluster, fraction, hbm_fraction, heads)
+    return scores[0] + values[0], scores[1] + values[1]
+
+
+def output_layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float):
+    """(forward, backward) seconds of the last stage's output layer: the (T, V / t, h) product, and the
+    cross-entropy over its fp32 logits, memory-bound: cast (read 2, write 4 bytes), max (read 4), exp and sum
+    (read 4), softmax and its gradient (read 4, write 4), the gradient back to 16 bits (read 4, write 2)."""
+    tokens = c.micro_batch * spec.seq_len / c.cp
+    forward, backward = forward_backward_seconds(tokens, spec.vocab_size / c.tp, spec.hidden, cluster, fraction,
+                                                 hbm_fraction)
+    loss = LOSS_BYTES * tokens * spec.vocab_size / c.tp / (cluster.hbm_bw_gbps * 1e9 * hbm_fraction)
+    return forward + loss / 2, backward + loss / 2
+
+
+def layer_traffic(spec, c, flash: bool):
+    """16-bit bytes the memory-bound kernels of one layer move in forward, one micro-batch, one GPU."""
+    t = c.tp
+    sbh = c.micro_batch * (spec.seq_len / c.cp) * spec.hidden
+    outside = 22 * sbh  # 2 norms, 2 bias-dropout-adds: outside the TP regions
+    mlp = 16 * sbh * (spec.top_k * spec.capacity_factor if spec.moe else 1.0)  # bias + activation, per routed copy
+    written = 0.0 if flash else (c.recompute != 1).double()  # scores in memory: unfused, not selective
+    scores = 13.0 * spec.n_head * spec.seq_len * sbh / spec.hidden * written
+    return torch.where(c.sp > 0, outside / t, outside) + (mlp + scores) / t
+
+
+def layer_activations(spec, c, mode: int, flash: bool):
+    """16-bit bytes one layer keeps for backward, one micro-batch, one GPU: mode 0 none, 1 selective, 2 full."""
+    t, sp = c.tp, c.sp
+    sbh = c.micro_batch * (spec.seq_len / c.cp) * spec.hidden  # local tokens x h
+    if mode == 2:
+        return 2.0 * sbh / torch.where(sp > 0, t, 1.0)  # the layer's input
+    outside, inside, scores = spec.activation_terms()
+    if spec.moe:
+        mlp = spec.mlp_activation_term()
+        inside = inside - mlp + mlp * spec.top_k * spec.capacity_factor
+    kept_scores = scores * spec.n_head * spec.seq_len / spec.hidden if mode == 0 and not flash else 0.0
+    return torch.where(sp > 0, outside / t, outside) * sbh + (inside + kept_scores) * sbh / t

@@ -1,0 +1,151 @@
+"""The communication of one pipeline stage: every collective one GPU takes part in per step (group, kind,
+bytes of the tensor, calls), the bytes it sends, and the seconds each group adds to the step after what
+overlap hides (shardlib/plan/links.py). The formulas are in shardlib/plan/cost.py's docstring; this file
+lists the collectives once, so that the bytes the planner reports and the calls it times are the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shardlib.plan.links import Ring, exposed, in_node, link_bandwidth
+
+
+@dataclass
+class Collective:
+    """One kind of collective of one group: `calls` per step on tensors of `nbytes` (columns)."""
+
+    group: str  # "tp", "cp", "ep", "dp", "pp"
+    kind: str  # "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"
+    nbytes: torch.Tensor
+    calls: torch.Tensor
+    ring: Ring | None = None  # None for point-to-point sends
+
+    @property
+    def sent(self):
+        per_call = self.nbytes if self.ring is None else self.ring.sent(self.kind, self.nbytes)
+        return self.calls * per_call
+
+
+@dataclass
+class StageComm:
+    """Per micro-batch exposed seconds (tp, cp, ep), per step (pp, dp), and every collective of the step."""
+
+    tp: torch.Tensor
+    cp: torch.Tensor
+    ep: torch.Tensor
+    pp: torch.Tensor
+    dp: torch.Tensor
+    collectives: list = field(default_factory=list)
+
+    def sent(self, group: str):
+        return sum((x.sent for x in self.collectives if x.group == group), torch.zeros_like(self.tp))
+
+    tp_sent = property(lambda self: self.sent("tp"))
+    cp_sent = property(lambda self: self.sent("cp"))
+    ep_sent = property(lambda self: self.sent("ep"))
+    pp_sent = property(lambda self: self.sent("pp"))
+    dp_sent = property(lambda self: self.sent("dp"))
+
+
+def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, overlap: bool, link: tuple,
+                        psi_dense, psi_expert, forward_s, backward_s) -> StageComm:
+    """Collectives and exposed seconds of stage k's GPUs; `one`: compute.layer_seconds of one layer; link: the
+    fractions of the links' bandwidth collectives reach (inside a node, across)."""
+    d, t, p, cp, ep, v = c.dp, c.tp, c.pp, c.cp, c.ep, c.virtual
+    e, eg = recipe.params, recipe.grads
+    alpha = cluster.alpha_us * 1e-6
+    ring = lambda n, span: Ring(n, link_bandwidth(cluster, span, link), alpha)  # noqa: E731
+    tp_ring, cp_ring, ep_ring = ring(t, t), ring(cp, t * cp), ring(ep, t * cp * ep)
+    dp_ring, expert_ring = ring(d * cp, t * cp * d), ring(d * cp / ep, t * cp * d)
+    tokens = c.micro_batch * spec.seq_len / cp
+    full = (c.recompute == 2).double()
+    out = []
+
+    # -- tensor parallelism: per micro-batch ---------------------------------------------------
+    bsh = tokens * spec.hidden * e
+    per_pass = layers * 2  # all-reduces (or all-gather + reduce-scatter pairs) per pass over the stage
+    tp_calls = layers * (4 + 2 * full) + first + last
+    out.append(Collective("tp", "all_reduce", bsh, m * tp_calls, tp_ring))
+    out.append(Collective("tp", "all_reduce", tokens * 4.0, m * 3 * last, tp_ring))  # the loss, fp32
+    replicated = spec.stage_params(first, last, layers)[1] * eg
+    out.append(Collective("tp", "all_reduce", replicated, c.sp, tp_ring))  # SP: replicated weights' gradients
+    tp_pass = per_pass * tp_ring.time("all_reduce", bsh)
+    tp_ends = (first + last) * tp_ring.time("all_reduce", bsh) + last * 3 * tp_ring.time("all_reduce", tokens * 4.0)
+    overlapped = c.tp_overlap > 0
+    fwd_hidden = exposed(tp_pass, layers * one["gemm_fwd"])
+    bwd_hidden = exposed(tp_pass, layers * one["gemm_bwd"])
+    tp_s = torch.where(overlapped, fwd_hidden * (1 + full) + bwd_hidden, tp_pass * (2 + full)) + tp_ends
+    tp_s = tp_s + c.sp * tp_ring.time("all_reduce", replicated) / m  # once a step, spread over the micro-batches
+    tp_busy = torch.where(overlapped, tp_pass - fwd_hidden, 0.0)  # NVLink time hidden behind each pass
+
+    # -- context parallelism ---------------------------------------------------------------------
+    kv = tokens * 2 * spec.hidden * spec.kv_heads / spec.n_head / t * e  # this rank's K and V block
+    ulysses = c.ulysses > 0
+    forward_blocks, backward_blocks = cp - 1, (cp - 1) + cp * (cp > 1)
+    block_s = alpha + kv / cp_ring.bandwidth
+    ring_fwd = layers * forward_blocks * block_s
+    ring_bwd = layers * backward_blocks * block_s
+    ring_s = (exposed(ring_fwd, layers * one["attn_fwd"]) * (1 + full)
+              + exposed(ring_bwd, layers * one["attn_bwd"]))
+    ring_busy = torch.minimum(ring_fwd, layers * one["attn_fwd"])
+    a2a = tokens * (2 * spec.hidden + 2 * spec.hidden * spec.kv_heads / spec.n_head) / t * e / 4
+    a2a_calls = layers * 4 * (2 + full)  # 4 all-to-alls per pass, a quarter of q, k, v, out each on average
+    out.append(Collective("cp", "send", kv, torch.where(ulysses, 0.0, m * layers * (
+        forward_blocks * (1 + full) + backward_blocks))))
+    out.append(Collective("cp", "all_to_all", a2a, torch.where(ulysses, m * a2a_calls, 0.0), cp_ring))
+    cp_s = torch.where(ulysses, a2a_calls * cp_ring.time("all_to_all", a2a), ring_s)
+
+    # -- expert parallelism ------------------------------------------------------------------------
+    places = spec.n_experts * torch.ceil(spec.capacity_factor * spec.top_k * (spec.seq_len / cp)
+                                         / max(spec.n_experts, 1))
+    routed = c.micro_batch * places * spec.hidden * e / torch.where(c.sp > 0, t, 1.0)  # (E, b capacity, h)
+    ep_calls = layers * (4 + 2 * full) * float(spec.moe)
+    out.append(Collective("ep", "all_to_all", routed, m * ep_calls, ep_ring))
+    ep_s = ep_calls * ep_ring.time("all_to_all", routed)
+
+    # -- pipeline: scatter/gather of the boundary activation ---------------------------------------
+    boundary = tokens * spec.hidden * e / t  # each tensor-parallel rank sends its 1/t
+    sends = (p > 1) * m * (2 * v - first - last)
+    out.append(Collective("pp", "send", boundary, sends))
+    gather = torch.where(c.sp > 0, 0.0, tp_ring.time("all_gather", tokens * spec.hidden * e))
+    pp_link = link_bandwidth(cluster, t * cp * d * p, link)
+    pp_s = (p > 1) * 2 * (m * v + p - 2) * (alpha + boundary / pp_link + gather)
+
+    # -- data parallelism: per step -----------------------------------------------------------------
+    busy = torch.where(in_node(cluster, t * cp * d), tp_busy + torch.where(in_node(cluster, t * cp), ring_busy, 0.0),
+                       torch.where(in_node(cluster, t * cp), 0.0, ring_busy))
+    windows = (torch.clamp(forward_s - busy, min=0.0), torch.clamp(backward_s - busy, min=0.0))
+    dense_s, dense = _data_parallel(c, m, layers, psi_dense * e, psi_dense * eg, dp_ring, windows, overlap)
+    expert_s, experts = _data_parallel(c, m, layers, psi_expert * e, psi_expert * eg, expert_ring, windows, overlap)
+    out += dense + experts
+    return StageComm(tp_s, cp_s, ep_s, pp_s, dense_s + expert_s, out)
+
+
+def _data_parallel(c, m, layers, param_bytes, grad_bytes, ring: Ring, windows, overlap: bool):
+    """Exposed seconds and collectives of one step's data-parallel traffic (ZeRO stage c.zero)."""
+    z = c.zero
+    forward, backward = windows
+    units = torch.where(z == 3, layers + 1, 1.0)  # ZeRO-3 gathers and reduces layer by layer
+    all_reduce = ring.time("all_reduce", grad_bytes)
+    reduce_scatter, all_gather = ring.time("reduce_scatter", grad_bytes), ring.time("all_gather", param_bytes)
+    rs_units = units * ring.time("reduce_scatter", grad_bytes / units)  # with the alphas of layer by layer
+    ag_units = units * ring.time("all_gather", param_bytes / units)
+    hide = lambda x, under: exposed(x, under, overlap)  # noqa: E731
+    seconds = torch.where(z == 0, hide(all_reduce, backward),
+              torch.where(z == 1, hide(reduce_scatter, backward) + hide(all_gather, forward),
+              torch.where(z == 2, m * hide(reduce_scatter, backward) + hide(all_gather, forward),
+                          m * (hide(ag_units, forward) + hide(ag_units + rs_units, backward)))))
+    zero = torch.zeros_like(m * z)
+    one, per_micro = torch.ones_like(zero), m * torch.ones_like(zero)
+    collectives = [
+        Collective("dp", "all_reduce", grad_bytes, torch.where(z == 0, one, zero), ring),
+        Collective("dp", "reduce_scatter", grad_bytes, torch.where(z == 1, one, torch.where(z == 2, per_micro, zero)),
+                   ring),
+        Collective("dp", "all_gather", param_bytes, torch.where((z == 1) | (z == 2), one, zero), ring),
+        Collective("dp", "all_gather", param_bytes / units, torch.where(z == 3, 2 * per_micro * units, zero), ring),
+        Collective("dp", "reduce_scatter", grad_bytes / units, torch.where(z == 3, per_micro * units, zero), ring),
+    ]
+    return seconds, collectives

@@ -1,0 +1,240 @@
+"""Published training runs the planner is held against: what ran, on what, and how long a step took.
+
+Two sets, never mixed. TRAINING_RUNS fix the cost model's three free constants (cost.FITTED, by fit());
+HELD_OUT_RUNS are used for nothing but the error they report. Every figure is the source's; what a source
+does not publish is either chosen by the planner among the settings the source allows (`free`: the best
+that fits, said in the table) or assumed and said (`assumed`).
+
+TRAINING_RUNS
+- Megatron-LM, Narayanan et al., arXiv 2104.04473, Table 1 (also the repository's images/cases_april2021.png):
+  ten GPT models, 1.7B to 1T, on 32 to 3,072 A100 80GB of Selene (DGX A100: NVLink, 8 x 200 Gb/s HDR
+  InfiniBand per node), s = 2,048, V = 51,200, fp16, full recomputation. Micro-batch, virtual stages and
+  data-parallel implementation (PyTorch's DDP, overlapped, or Megatron's "local" one, after the backward)
+  from the paper's own script, examples/sc21/run_table_1.sh. Published: TFLOP/s per GPU X, counting
+  F = 96 B s L h^2 (1 + s/(6h) + V/(16 L h)) FLOPs per step (eq. 3, recomputation included): step = F / (N X).
+- Megatron-Core, H100 weak scaling (NVIDIA/Megatron-LM README, "Training Speed and Scalability", the table
+  images/model_table.png, r0.8.0): nine GPT models, 1.7B to 462B, on 48 to 6,144 H100, V = 131,072,
+  s = 4,096, data-parallel size 48, with --overlap-grad-reduce --overlap-param-gather (the distributed
+  optimizer) and --tp-comm-overlap; bf16, so gradients accumulated and reduced in fp32 (Megatron-LM's
+  arguments.py). Published: TFLOP/s per GPU by Megatron's num_floating_point_operations (no recomputation
+  counted). Micro-batch, virtual stages and recomputation are not published: free.
+
+HELD_OUT_RUNS
+- GPT-3 175B on 1,024 A100 (Megatron-LM README, January 2021, and examples/pretrain_gpt3_175B.sh): t 8, p 16,
+  micro-batch 1, batch 1,536, fp16, full recomputation; "each iteration takes around 32 seconds resulting in
+  138 teraFLOPs per GPU"; step from the TFLOP/s by eq. 3.
+- BLOOM-176B, arXiv 2211.05100 (Sec. 3.4: 48 nodes of 8 A100 80GB, 4 x 100 Gb/s Omni-Path per node), t 4,
+  p 12, d 8, micro-batch 2, batch 2,048, full recomputation, bf16 with fp32 gradient accumulation and a ZeRO-1
+  optimizer (bigscience train/tr11-176B-ml/tr11-176B-ml.slurm); 105.22 s per iteration (chronicles.md).
+- Llama 3 405B, arXiv 2407.21783, Table 4: 8,192 and 16,384 H100 (NVLink in servers of 8, 400 Gb/s per GPU
+  between them), t 8, c 1 or 16, p 16, 2,048 (or 128) sequences per batch; BF16 MFU 43%, 41%, 38% of 989
+  TFLOP/s, model FLOPs read as 6 Psi + 12 L s h per token; no activation checkpointing at 8k (Sec. 3.3.2),
+  FlashAttention; FSDP sharding the optimizer states and gradients (ZeRO-2 inside the pipeline: marked, see
+  planner.caveats). Not published: the micro-batch (1 assumed) and the virtual stages (8: Sec. 3.3.2 has the
+  first chunk of the first stage hold only the embedding, chunks of one layer). At 131k tokens the step time
+  is not derived (how the MFU counts causal attention changes it 1.4 x): memory only.
+- Nemotron-4 340B, arXiv 2406.11704, Table 2 (quoted at https://aiportalx.com/nvidia/nemotron-4-340b): the
+  last stage of its batch ramp on all 6,144 H100, batch 2,304, 8.0 s per iteration; the layout of
+  NeMo-Framework-Launcher's launcher_scripts/conf/training/nemotron/nemotron_340b.yaml (768 nodes, the same
+  batch): t 8, p 8, v 12, micro-batch 1, sequence parallel, selective recomputation, TP overlap, distributed
+  optimizer reducing in bf16.
+- Memory only (FP8 runs: step times are not compared; the layouts must fit): NeMo 24.07's pre-training
+  table on DGX-H100 (NVIDIA/NeMo docs/source/performance/performance_summary.md): every dense row, among them
+  Nemotron-340B on 128 GPUs (t 8, p 8, v 12, batch 32). Recomputation is not published: free.
+
+Not used: MT-NLG 530B, OPT-175B (their iteration times and micro-batches are not in a source this project's
+search reaches), PaLM (TPU v4, which the planner does not model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from shardlib.plan.inputs import Cluster, Layout
+from shardlib.plan.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """A run as published: what ran, and the step time it took (published or derived from what was)."""
+
+    name: str
+    spec: ModelSpec
+    cluster: Cluster
+    layout: Layout
+    global_batch: int
+    recipe: str
+    published: str  # the figure as its authors give it
+    step_s: float | None  # the step time it means (None: memory only)
+    source: str
+    overlap: bool = True
+    attention: str = "flash"
+    free: dict = field(default_factory=dict)  # unpublished knobs: the values the planner may choose among
+    assumed: str = ""  # what the source does not say and we chose
+    gpu: str = "a100"  # which fitted matmul fraction applies (shardlib/plan/fitted.py)
+    search: dict = field(default_factory=dict)  # what the framework of the run could not do, or the study held
+    # fixed: narrows the planner's default search when the published layout is ranked (SOFTWARE)
+
+
+def megatron_flops(batch: int, s: int, layers: int, h: int, vocab: int) -> float:
+    """FLOPs of one step with full recomputation, arXiv 2104.04473 eq. (3)."""
+    return 96.0 * batch * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))
+
+
+def megatron_core_flops(spec: ModelSpec, batch: int) -> float:
+    """FLOPs of one step as Megatron-LM counts them (megatron/training/training.py,
+    num_floating_point_operations): 12 B s L h^2 ((1 + g/a + s/h) + f/h (3/2 gated) + V / (2 L h))."""
+    h, s, L = spec.hidden, spec.seq_len, spec.n_layer
+    attention = 1 + spec.kv_heads / spec.n_head + s / h
+    mlp = spec.ffn / h * (1.5 if spec.gated_mlp else 1.0) * (spec.top_k if spec.moe else 1)
+    return 12.0 * batch * s * L * h * h * (attention + mlp + spec.vocab_size / (2 * L * h))
+
+
+# Megatron-LM Table 1: (parameters in billions, heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU,
+# micro-batch, virtual stages, DDP) with the micro-batch, virtual stages and DDP of examples/sc21/run_table_1.sh
+MEGATRON_TABLE_1 = (
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 16, 1, "torch"),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 16, 1, "torch"),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 16, 1, "torch"),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 8, 1, "torch"),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 4, 1, "local"),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 3, "local"),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 2, "local"),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 2, "local"),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 3, "local"),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, 1, "local"),
+)
+# Megatron-Core H100 weak scaling (README's images/model_table.png): (billions, heads, hidden, layers, t, p,
+# GPUs, batch, TFLOP/s per GPU); data-parallel size 48 throughout
+MEGATRON_CORE_H100 = (
+    (1.7, 16, 2048, 24, 1, 1, 48, 192, 408.8),
+    (7.1, 32, 4096, 30, 2, 1, 96, 192, 465.9),
+    (16, 48, 6144, 32, 4, 1, 192, 192, 489.1),
+    (32, 56, 7168, 48, 8, 1, 384, 192, 459.6),
+    (70, 64, 8192, 84, 8, 2, 768, 384, 419.7),
+    (119, 80, 10240, 92, 8, 4, 1536, 768, 420.5),
+    (177, 96, 12288, 96, 8, 6, 2304, 1152, 432.8),
+    (314, 128, 16384, 96, 8, 8, 3072, 1536, 474.4),
+    (462, 144, 18432, 112, 8, 16, 6144, 3072, 459.9),
+)
+# NeMo 24.07, DGX-H100, FP8 (memory only): (model, GPUs, batch, micro-batch, s, t, p, c, v)
+NEMO_24_07 = (
+    ("llama-7b", 8, 128, 1, 4096, 1, 1, 1, 1), ("llama-13b", 16, 128, 1, 4096, 1, 4, 1, 10),
+    ("llama-70b", 64, 128, 1, 4096, 4, 4, 1, 20), ("nemotron4-340b", 128, 32, 1, 4096, 8, 8, 1, 12),
+    ("gpt3-175b", 128, 256, 1, 2048, 4, 8, 1, 6), ("gpt3-175b", 512, 2048, 2, 2048, 4, 8, 1, 6),
+)
+# What the software of a run could do, as choices for planner.plan(): the ranking searches only these.
+SOFTWARE = {
+    # Megatron-LM in 2021: no sequence parallelism, selective recomputation or distributed optimizer (2022), no
+    # context parallelism, no TP overlap; Table 1 recomputes every layer in every run (run_table_1.sh)
+    "megatron-2021": dict(zero_stages=(0,), sequence_parallel=(False,), tp_overlap=(False,), max_cp=1,
+                          recompute=("full",)),
+    # Megatron-DeepSpeed for BLOOM (2022): its BF16 optimizer is ZeRO-1; no sequence parallelism or selective
+    # recomputation (Megatron-LM added them later that year)
+    "megatron-deepspeed-2022": dict(zero_stages=(0, 1), sequence_parallel=(False,), tp_overlap=(False,), max_cp=1,
+                                    recompute=(None, "full")),
+    # Megatron-Core / NeMo in 2024: the distributed optimizer (ZeRO-1), no ZeRO-2 or -3
+    "megatron-core-2024": dict(zero_stages=(0, 1)),
+}
+A100 = dict(gpu="a100")
+H100 = dict(gpu="h100")
+CHOOSE = dict(micro_batch=(1, 2, 4, 8), virtual_stages=None, recompute=(None, "selective", "full"))
+
+
+def _megatron_table_1() -> list[PublishedRun]:
+    runs = []
+    for size, heads, h, layers, t, p, n, batch, tflops, b, v, ddp in MEGATRON_TABLE_1:
+        spec = ModelSpec(layers, h, heads, 51200, 2048, tied_embeddings=True, name=f"gpt-{size:g}b")
+        layout = Layout(dp=n // (t * p), tp=t, pp=p, micro_batch=b, recompute="full", virtual_stages=v)
+        runs.append(PublishedRun(
+            f"Megatron-LM GPT {size:g}B", spec, Cluster.of(n, **A100), layout, batch, "mixed_adam_fp32_main_grads",
+            f"{tflops} TFLOP/s per GPU", megatron_flops(batch, 2048, layers, h, 51200) / (n * tflops * 1e12),
+            "arXiv 2104.04473, Table 1; examples/sc21/run_table_1.sh", overlap=ddp == "torch", attention="unfused",
+            search=SOFTWARE["megatron-2021"]))
+    return runs
+
+
+def _megatron_core_h100() -> list[PublishedRun]:
+    runs = []
+    for size, heads, h, layers, t, p, n, batch, tflops in MEGATRON_CORE_H100:
+        spec = ModelSpec(layers, h, heads, 131072, 4096, name=f"gpt-{size:g}b, V 131k")
+        layout = Layout(dp=48, tp=t, pp=p, zero=1, sequence_parallel=t > 1, tp_overlap=t > 1)
+        runs.append(PublishedRun(
+            f"Megatron-Core GPT {size:g}B", spec, Cluster.of(n, **H100), layout, batch, "mixed_adam_fp32_grads",
+            f"{tflops} TFLOP/s per GPU", megatron_core_flops(spec, batch) / (n * tflops * 1e12),
+            "NVIDIA/Megatron-LM README, images/model_table.png", free=CHOOSE, gpu="h100",
+            search=SOFTWARE["megatron-core-2024"]))
+    return runs
+
+
+def _gpt3_1024() -> PublishedRun:
+    spec = ModelSpec(96, 12288, 96, 51200, 2048, tied_embeddings=True, name="gpt3-175b")
+    layout = Layout(dp=8, tp=8, pp=16, micro_batch=1, recompute="full")
+    return PublishedRun("GPT-3 175B, Megatron-LM", spec, Cluster.of(1024, **A100), layout, 1536,
+                        "mixed_adam_fp32_main_grads", "138 TFLOP/s per GPU (~32 s)",
+                        megatron_flops(1536, 2048, 96, 12288, 51200) / (1024 * 138e12),
+                        "Megatron-LM README (Jan 2021); examples/pretrain_gpt3_175B.sh", overlap=False,
+                        attention="unfused", search=SOFTWARE["megatron-2021"],
+                        assumed="Megatron's 'local' DDP of 2021: gradients reduced after the backward")
+
+
+def _bloom() -> PublishedRun:
+    cluster = Cluster.of(384, **A100, inter_bw_gbps=4 * 100 / 8 / 8)  # 4 x 100 Gb/s per node of 8 GPUs
+    layout = Layout(dp=8, tp=4, pp=12, zero=1, micro_batch=2, recompute="full")
+    return PublishedRun("BLOOM-176B", ModelSpec.preset("bloom-176b"), cluster, layout, 2048, "mixed_adam_fp32_grads",
+                        "105.22 s per iteration", 105.22,
+                        "arXiv 2211.05100, Sec. 3.4; bigscience train/tr11-176B-ml (slurm script, chronicles)",
+                        overlap=False, attention="unfused", search=SOFTWARE["megatron-deepspeed-2022"],
+                        assumed="Megatron-DeepSpeed's BF16 optimizer reduces the gradients after the backward")
+
+
+def _llama3(n_gpus: int, cp: int, mfu: float) -> PublishedRun:
+    seq = 131072 if cp > 1 else 8192
+    spec = replace(ModelSpec.preset("llama3-405b"), seq_len=seq, name=f"llama3-405b, {seq // 1024}k context")
+    dp = n_gpus // (8 * cp * 16)
+    batch = dp * (16 if n_gpus > 8192 else 32)  # Table 4's batch size per DP rank
+    layout = Layout(dp=dp, tp=8, pp=16, cp=cp, zero=2, sequence_parallel=True, virtual_stages=8)
+    model_flops = (6 * spec.matmul_params() + 12 * spec.n_layer * seq * spec.hidden) * batch * seq
+    # At 131k tokens the attention term 12 L s h is 1.3 x 6 Psi: whether the MFU counts it whole or causal (half)
+    # changes the step time it implies 1.4 x, and the paper does not say: no step time is derived there.
+    step = model_flops / (mfu * n_gpus * 989e12) if cp == 1 else None
+    return PublishedRun(
+        f"Llama 3 405B, {n_gpus:,} GPUs, cp {cp}", spec, Cluster.of(n_gpus, **H100), layout, batch, "mixed_adam",
+        f"BF16 MFU {mfu:.0%}" + ("" if step else " (memory only)"), step, "arXiv 2407.21783, Table 4 and Sec. 3.3",
+        assumed="micro-batch 1; v = 8, one layer per chunk (Sec. 3.3.2: the first chunk of the first stage holds only "
+                "the embedding); sequence parallel, no TP overlap; FSDP sharding optimizer states and gradients as "
+                "ZeRO-2 with 16-bit gradients; MFU read as 6 Psi + 12 L s h per token", gpu="h100")
+
+
+def _nemotron4() -> PublishedRun:
+    layout = Layout(dp=96, tp=8, pp=8, zero=1, micro_batch=1, recompute="selective", sequence_parallel=True,
+                    virtual_stages=12, tp_overlap=True)
+    return PublishedRun("Nemotron-4 340B", ModelSpec.preset("nemotron4-340b"), Cluster.of(6144, **H100), layout, 2304,
+                        "mixed_adam_fp32_main_grads", "8.0 s per iteration", 8.0,
+                        "arXiv 2406.11704, Table 2; NeMo-Framework-Launcher conf/training/nemotron/nemotron_340b.yaml",
+                        gpu="h100", search=SOFTWARE["megatron-core-2024"])
+
+
+def _nemo_24_07() -> list[PublishedRun]:
+    runs = []
+    for name, n, batch, b, s, t, p, cp, v in NEMO_24_07:
+        spec = ModelSpec.preset(name, seq_len=s)
+        layout = Layout(dp=n // (t * p * cp), tp=t, pp=p, cp=cp, zero=1, micro_batch=b, virtual_stages=v,
+                        sequence_parallel=t > 1)
+        runs.append(PublishedRun(f"NeMo 24.07 {name}, {n} GPUs", spec, Cluster.of(n, **H100), layout, batch,
+                                 "mixed_adam_fp32_main_grads", "FP8 (memory only)", None,
+                                 "NVIDIA/NeMo docs/source/performance/performance_summary.md (24.07)",
+                                 free=dict(recompute=(None, "selective", "full")), gpu="h100",
+                                 search=SOFTWARE["megatron-core-2024"]))
+    return runs
+
+
+def training_runs() -> list[PublishedRun]:
+    """The runs the free constants are fitted on."""
+    return _megatron_table_1() + _megatron_core_h100()
+
+
+def held_out_runs() -> list[PublishedRun]:
+    """The runs never used for fitting: step time and memory, then memory only."""
+    return ([_gpt3_1024(), _bloom()] + [_llama3(*row) for row in ((8192, 1, 0.43), (16384, 1, 0.41), (16384, 16, 0.38))]
+            + [_nemotron4()] + _nemo_24_07())

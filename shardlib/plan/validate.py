@@ -1,0 +1,127 @@
+"""The planner against the published runs of shardlib/plan/published.py: step-time error, memory, and
+where each published layout ranks in the planner's own search; and the fit of the free constants.
+
+    python -m shardlib plan --validate          # both sets: error, fits, rank and gap to the best
+    python -m shardlib plan --validate --fit    # refit cost.FITTED on the training set (prints; edit cost.py)
+
+validate(run) predicts the published layout (its free knobs chosen by the planner among those the source
+allows: the fastest that fits), then ranks it among every layout of the default search on the same GPUs,
+model, batch and software (recipe, overlap, attention): rank 1 is the planner's own pick, and `gap` says how
+much faster the pick is predicted. explain() names the single assumption the pick rests on when it is not
+the published layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+from shardlib.plan.fitted import FITTED
+from shardlib.plan.planner import NoLayoutFits, plan, predict
+from shardlib.plan.published import PublishedRun, held_out_runs, training_runs
+
+
+def _options(run: PublishedRun, constants: dict) -> dict:
+    fitted = {**FITTED, **constants}
+    return dict(recipe=run.recipe, overlap=run.overlap, attention=run.attention, efficiency=fitted[run.gpu],
+                link_efficiency=(fitted["nvlink"], fitted["network"]), hbm_efficiency=fitted["hbm"])
+
+
+def published_estimate(run: PublishedRun, **constants):
+    """The published layout's estimate; its free knobs (run.free) set to the fastest choice that fits."""
+    lay, options = run.layout, _options(run, constants)
+    if not run.free:
+        return predict(run.spec, run.cluster, lay, run.global_batch, **options)
+    free = run.free
+    choices = dict(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, zero_stages=(lay.zero,),
+                   sequence_parallel=(lay.sequence_parallel,), cp_methods=(lay.cp_method,),
+                   micro_batches=free.get("micro_batch", (lay.micro_batch,)),
+                   virtual_stages=free["virtual_stages"] if "virtual_stages" in free else (lay.virtual_stages,),
+                   recompute=free.get("recompute", (lay.recompute,)), tp_overlap=free.get("tp_overlap", (lay.tp_overlap,)))
+    try:
+        return plan(run.spec, run.cluster, run.global_batch, **options, **choices).best
+    except NoLayoutFits as error:
+        return error.smallest
+
+
+def validate(run: PublishedRun, rank: bool = True, **constants) -> dict:
+    """One row: published and predicted step time, error, memory, whether it fits, its rank in the search."""
+    e = published_estimate(run, **constants)
+    row = dict(run=run.name, source=run.source, gpus=run.cluster.n_gpus, model=run.spec.name, layout=str(e.layout),
+               published=run.published, published_step_s=run.step_s, predicted_step_s=e.step_s,
+               error=e.step_s / run.step_s - 1 if run.step_s else None, memory_gib=e.memory_bytes / 2**30,
+               fits=e.fits, assumed=run.assumed, free=", ".join(run.free), rank=None, gap=None, best=None,
+               deciding="")
+    if rank and e.fits:
+        result = plan(run.spec, run.cluster, run.global_batch, **_options(run, constants), **run.search)
+        place, found = result.find(e.layout)
+        row.update(rank=place, best=str(result.best.layout), gap=found.step_s / result.best.step_s - 1 if found else None)
+        if place != 1:
+            row["deciding"] = result.explain(against=e.layout).splitlines()[-1]
+    return row
+
+
+def table(runs: list[PublishedRun], rank: bool = True, **constants) -> list[dict]:
+    return [validate(run, rank, **constants) for run in runs]
+
+
+def summary(rows: list[dict]) -> dict:
+    """Mean and largest step-time error of the rows that have a published step time, and the layouts that fail."""
+    errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+    return dict(mean=sum(errors) / len(errors), max=max(errors), n=len(errors),
+                not_fitting=[r["run"] for r in rows if not r["fits"]],
+                far=[r["run"] for r in rows if r["gap"] is not None and r["gap"] > 0.05],
+                outside=[r["run"] for r in rows if r["fits"] and r["rank"] is None and r["best"] is not None])
+
+
+def _loss(runs, constants) -> float:
+    rows = table(runs, rank=False, **constants)
+    return sum(math.log(r["predicted_step_s"] / r["published_step_s"]) ** 2 for r in rows)
+
+
+def fit(runs: list[PublishedRun] | None = None, rounds: int = 3, step: float = 0.04) -> dict:
+    """The free constants (shardlib/plan/fitted.py) that minimise the squared log error of step time on `runs` (default: the
+    training set), by coordinate descent on a shrinking grid within (0.3, 1]."""
+    runs = [r for r in (runs or training_runs()) if r.step_s]
+    best = dict(FITTED)
+    current = _loss(runs, best)
+    for _ in range(rounds):
+        for key in best:
+            for value in (best[key] + step * k for k in (-2, -1, 1, 2)):
+                if 0.3 <= value <= 1.0:
+                    trial = {**best, key: round(value, 4)}
+                    loss = _loss(runs, trial)
+                    if loss < current:
+                        best, current = trial, loss
+        step /= 2
+    return best
+
+
+def format_table(rows: list[dict]) -> str:
+    """The published runs, one line each: published and predicted step time, error, memory, rank and gap."""
+    lines = [f"{'run':<36} {'GPUs':>6} {'published':>26} {'step s':>8} {'pred.':>8} {'error':>7} {'GiB':>6} "
+             f"{'fits':>4} {'rank':>5} {'gap':>6}"]
+    for r in rows:
+        step = f"{r['published_step_s']:.2f}" if r["published_step_s"] else "-"
+        error = f"{r['error']:+.1%}" if r["error"] is not None else "-"
+        gap = f"{r['gap']:.1%}" if r["gap"] is not None else "-"
+        lines.append(f"{r['run']:<36} {r['gpus']:>6} {r['published']:>26} {step:>8} {r['predicted_step_s']:>8.2f} "
+                     f"{error:>7} {r['memory_gib']:>6.1f} {'yes' if r['fits'] else 'no':>4} "
+                     f"{r['rank'] if r['rank'] else '-':>5} {gap:>6}")
+    return "\n".join(lines)
+
+
+def report(rank: bool = True) -> str:
+    """Both sets, their summaries, and for every run whose layout is not the planner's pick, what decides it."""
+    out = []
+    for title, runs in (("training set (fits cost.FITTED)", training_runs()), ("held-out set", held_out_runs())):
+        rows = table(runs, rank)
+        s = summary(rows)
+        out += [title, format_table(rows),
+                f"step-time error over {s['n']} runs: mean {s['mean']:.1%}, max {s['max']:.1%}; published layouts "
+                f"predicted not to fit: {s['not_fitting'] or 'none'}"]
+        out += [f"  {r['run']}: {r['layout']}; the planner's pick {r['best']}; {r['deciding']}" for r in rows
+                if r["deciding"]]
+        free = sorted({r["free"] for r in rows if r["free"]})
+        out += [f"  chosen by the planner where not published: {f}" for f in free] + [""]
+    return "\n".join(out)
+
