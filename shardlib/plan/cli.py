@@ -5,6 +5,9 @@ serving (see `--help`).
     python -m shardlib plan --model llama-70b --gpus 16 --gpu-mem 80 --tp 8 --max-pp 2 --zero 1 3   # narrowed
     python -m shardlib plan --model llama-70b --gpus 16 --gpu-mem 80 --evaluate --tp 8 --pp 2 --recompute full
     python -m shardlib plan --model llama-70b --inference --batch 8 --context 4096  # 24, 40, 80 GB GPUs
+    python -m shardlib plan --model llama3-405b --gpus 8192 --gpu h100 --global-batch 2048 --tp 8 --pp 16
+    python -m shardlib plan --validate          # the published runs: error, memory, rank of the published layout
+    python -m shardlib plan --validate --fit    # refit the free constants on the training runs
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from dataclasses import asdict
 
 from shardlib import memory
 from shardlib.plan.inference import GPU_SIZES_GIB, format_inference_table, inference_table, predict_inference
-from shardlib.plan.inputs import CP_METHODS, PRESETS, Cluster, Layout, count_text, load_model
+from shardlib.plan.inputs import CP_METHODS, GPUS, PRESETS, Cluster, Layout, count_text, load_model
 from shardlib.plan.planner import NoLayoutFits, plan, predict
-from shardlib.plan.report import as_dict, breakdown
+from shardlib.plan.report import as_dict, breakdown, legend
 
 RECOMPUTE_NAMES = {"none": None, "selective": "selective", "full": "full"}
 
@@ -26,24 +29,30 @@ RECOMPUTE_NAMES = {"none": None, "selective": "selective", "full": "full"}
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m shardlib plan", formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__,
-        usage="python -m shardlib plan --model MODEL (--gpus N --gpu-mem GIB [--evaluate] | --inference) [options]",
+        usage="python -m shardlib plan (--model MODEL (--gpus N [--evaluate] | --inference) | --validate) [options]",
         epilog="Formulas and sources: shardlib/plan/cost.py (training), shardlib/plan/inference.py (serving).")
-    parser.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a config.json path")
+    parser.add_argument("--model", help=f"a preset ({', '.join(PRESETS)}) or a config.json path")
     parser.add_argument("--gpus", type=int, help="number of GPUs (training)")
-    parser.add_argument("--gpu-mem", type=float, help="memory per GPU, GiB (an '80 GB' A100: 80); --inference: "
-                        "one size instead of 24, 40 and 80")
+    parser.add_argument("--gpu-mem", type=float, help="memory per GPU, GiB (default: the --gpu's, 80); "
+                        "--inference: one size instead of 24, 40 and 80")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--evaluate", action="store_true", help="predict the one layout the options below give")
     mode.add_argument("--inference", action="store_true", help="weights + KV cache per GPU when serving")
+    mode.add_argument("--validate", action="store_true", help="the planner against the published runs of "
+                      "shardlib/plan/published.py (training and held-out sets)")
+    parser.add_argument("--fit", action="store_true", help="with --validate: refit the free constants on the "
+                        "training runs and print them")
+    parser.add_argument("--legend", action="store_true", help="print what each column of the table holds")
 
-    cluster = parser.add_argument_group("cluster (defaults: DGX A100 nodes)")
+    cluster = parser.add_argument_group("cluster (defaults: the --gpu's figures, nodes of 8)")
+    cluster.add_argument("--gpu", default="a100", choices=sorted(GPUS), help="DGX A100 or H100 figures (default a100)")
     cluster.add_argument("--gpus-per-node", type=int, default=8)
-    cluster.add_argument("--intra-bw", type=float, default=300.0, help="GB/s per GPU in a node (default: A100 NVLink)")
-    cluster.add_argument("--inter-bw", type=float, default=25.0, help="GB/s per GPU between nodes (200 Gb/s IB)")
-    cluster.add_argument("--peak-tflops", type=float, default=312.0, help="bf16 dense peak per GPU (default A100)")
-    cluster.add_argument("--hbm-bw", type=float, default=2039.0, help="GB/s of GPU memory (default A100 80GB)")
-    cluster.add_argument("--alpha-us", type=float, default=5.0, help="latency per message, microseconds")
+    cluster.add_argument("--intra-bw", type=float, help="GB/s per GPU in a node (a100: NVLink 300)")
+    cluster.add_argument("--inter-bw", type=float, help="GB/s per GPU between nodes (a100: 200 Gb/s IB, 25)")
+    cluster.add_argument("--peak-tflops", type=float, help="bf16 dense peak per GPU (a100: 312)")
+    cluster.add_argument("--hbm-bw", type=float, help="GB/s of GPU memory (a100: 2039)")
+    cluster.add_argument("--alpha-us", type=float, default=5.0, help="latency per ring step, microseconds")
 
     job = parser.add_argument_group("training job")
     job.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
@@ -54,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="fraction of the GPU's measured matmul ceiling the products reach (default: fitted per "
                           "GPU, shardlib/plan/fitted.py)")
     job.add_argument("--no-overlap", action="store_true", help="expose all data-parallel communication (default: "
-                     "hidden behind compute where shorter, as PyTorch's DDP and FSDP do)")
+                     "overlapped with compute by the rule of shardlib/plan/links.py)")
+    job.add_argument("--attention", default="flash", choices=("flash", "unfused"), help="FlashAttention (default) "
+                     "or the scores written out")
     job.add_argument("--reserve-gib", type=float, default=0.0, help="GiB per GPU kept free (context, fragmentation)")
 
     layout = parser.add_argument_group("layout: fixes these sizes in a search, or gives the layout with --evaluate")
@@ -66,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     layout.add_argument("--recompute", nargs="+", choices=sorted(RECOMPUTE_NAMES), help="recomputation mode(s)")
     layout.add_argument("--virtual-stages", type=int, nargs="+", help="interleaved 1F1B: chunks per pipeline rank")
     layout.add_argument("--sequence-parallel", choices=("yes", "no"), help="with tp > 1 (default: try both)")
+    layout.add_argument("--tp-overlap", choices=("yes", "no"), help="TP collectives overlapped with the products, with "
+                        "sequence parallelism (default: try both)")
     layout.add_argument("--cp-method", nargs="+", choices=CP_METHODS, help="context parallelism: ring, ulysses")
     layout.add_argument("--offload", action="store_true", help="optimizer states on the CPU (a search tries both)")
     layout.add_argument("--max-tp", type=int, help="search: largest tensor-parallel size")
@@ -83,17 +96,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(parser, args) -> None:
-    positive = ["gpus_per_node", "intra_bw", "inter_bw", "peak_tflops", "hbm_bw", "global_batch", "top", "batch"]
+    positive = ["gpus_per_node", "global_batch", "top", "batch"]
     positive += [key for key in ("gpus", "gpu_mem", "seq_len", "context", "dp", "tp", "pp", "cp", "ep", "max_tp",
-                                 "max_pp", "max_cp") if getattr(args, key) is not None]
+                                 "max_pp", "max_cp", "intra_bw", "inter_bw", "peak_tflops", "hbm_bw")
+                 if getattr(args, key) is not None]
     for key in positive:
         if getattr(args, key) <= 0:
             parser.error(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
     for key in ("micro_batch", "virtual_stages"):
         if any(x < 1 for x in getattr(args, key) or []):
             parser.error(f"--{key.replace('_', '-')} values must be >= 1, got {getattr(args, key)}")
-    if not args.inference and (args.gpus is None or args.gpu_mem is None):
-        parser.error("--gpus and --gpu-mem are needed to plan training (or use --inference)")
+    if args.fit and not args.validate:
+        parser.error("--fit refits the free constants on the published runs: use it with --validate")
+    if args.validate:
+        return
+    if args.model is None:
+        parser.error("--model is needed (a preset or a config.json), or --validate")
+    if not args.inference and args.gpus is None:
+        parser.error("--gpus is needed to plan training (or use --inference)")
     if args.evaluate:
         several = [key for key in ("zero", "micro_batch", "recompute", "virtual_stages", "cp_method")
                    if len(getattr(args, key) or []) > 1]
@@ -101,9 +121,16 @@ def _check(parser, args) -> None:
             parser.error(f"--evaluate predicts one layout: give one value to --{several[0].replace('_', '-')}")
 
 
+def _hardware(args) -> dict:
+    """The --gpu's figures, with the ones given on the command line instead."""
+    given = dict(intra_bw_gbps=args.intra_bw, inter_bw_gbps=args.inter_bw, peak_tflops=args.peak_tflops,
+                 hbm_bw_gbps=args.hbm_bw)
+    return {**GPUS[args.gpu], **{k: v for k, v in given.items() if v is not None}, "alpha_us": args.alpha_us}
+
+
 def _cluster(args, gpu_mem=None) -> Cluster:
-    options = dict(gpu_mem_gib=gpu_mem or args.gpu_mem, intra_bw_gbps=args.intra_bw, inter_bw_gbps=args.inter_bw,
-                   peak_tflops=args.peak_tflops, hbm_bw_gbps=args.hbm_bw, alpha_us=args.alpha_us)
+    options = _hardware(args)
+    options["gpu_mem_gib"] = gpu_mem or args.gpu_mem or options["gpu_mem_gib"]
     return Cluster.of(args.gpus or 1, args.gpus_per_node, **options)
 
 
@@ -116,7 +143,7 @@ def _layout(args, n_gpus: int) -> Layout:
                   zero=first(args.zero, 0), micro_batch=first(args.micro_batch, 1),
                   recompute=RECOMPUTE_NAMES[first(args.recompute, "none")], sequence_parallel=args.sequence_parallel
                   == "yes", cp_method=first(args.cp_method, "ring"), virtual_stages=first(args.virtual_stages, 1),
-                  offload=args.offload)
+                  offload=args.offload, tp_overlap=args.tp_overlap == "yes")
 
 
 def _choices(args) -> dict:
@@ -132,6 +159,8 @@ def _choices(args) -> dict:
         choices["virtual_stages"] = tuple(args.virtual_stages)
     if args.sequence_parallel:
         choices["sequence_parallel"] = (args.sequence_parallel == "yes",)
+    if args.tp_overlap:
+        choices["tp_overlap"] = (args.tp_overlap == "yes",)
     if args.cp_method:
         choices["cp_methods"] = tuple(args.cp_method)
     if args.offload:
@@ -149,13 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     _check(parser, args)
+    if args.validate:
+        return _validate(args)
     try:
         spec = load_model(args.model, args.seq_len)
         if args.inference:
             return _inference(args, spec)
         cluster = _cluster(args)
         options = dict(recipe=args.recipe, efficiency=args.efficiency, overlap=not args.no_overlap,
-                       reserve_gib=args.reserve_gib)
+                       attention=args.attention, reserve_gib=args.reserve_gib)
         if args.evaluate:
             estimate = predict(spec, cluster, _layout(args, cluster.n_gpus), args.global_batch, **options)
             print(json.dumps({"model": spec.name, "cluster": asdict(cluster), "global_batch": args.global_batch,
@@ -176,7 +207,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{_model_line(spec, args)}; global batch {args.global_batch} sequences; {cluster.n_nodes} node(s) x "
           f"{cluster.gpus_per_node} GPUs of {cluster.gpu_mem_gib:g} GiB")
     print(result.table(args.top))
+    if args.legend:
+        print(legend())
     print(result.explain())
+    return 0
+
+
+def _validate(args) -> int:
+    from shardlib.plan.validate import fit, report
+
+    if args.fit:
+        print("fitted on the training runs:", fit())
+        return 0
+    print(report())
     return 0
 
 
@@ -186,9 +229,10 @@ def _inference(args, spec) -> int:
         rows = [predict_inference(spec, _cluster(args, args.gpu_mem or 80), tp=args.tp or 1, pp=args.pp or 1,
                                   **options)]
     else:
+        hardware = _hardware(args)
         rows = inference_table(spec, gpu_sizes=(args.gpu_mem,) if args.gpu_mem else GPU_SIZES_GIB,
-                               intra_bw_gbps=args.intra_bw, inter_bw_gbps=args.inter_bw, peak_tflops=args.peak_tflops,
-                               hbm_bw_gbps=args.hbm_bw, alpha_us=args.alpha_us, **options)
+                               **{k: hardware[k] for k in ("intra_bw_gbps", "inter_bw_gbps", "peak_tflops",
+                                                           "hbm_bw_gbps", "alpha_us")}, **options)
     if args.json:
         print(json.dumps({"model": spec.name, "rows": [{**asdict(e), "total_bytes": e.total_bytes, "fits": e.fits,
                                                         "sent_per_token": e.sent_per_token} for e in rows]}, indent=1))

@@ -44,6 +44,7 @@ micro-batch (forward + backward + exposed TP, CP, EP) on the slowest stage:
   PP            2 (m v + p - 2) point-to-point messages on the critical path. Each tensor-parallel rank sends
                 1/t of the b s h / c activation and the receivers all-gather it over NVLink (the scatter/gather
                 optimisation, arXiv 2104.04473, Sec. 4.1); with sequence parallelism it is already split.
+                Tied embeddings: their gradients all-reduced between the first and the last stage once a step.
   DP            over the d c GPUs with the same parameters, Psi_k: ZeRO 0 an all-reduce of the gradients
                 behind the last micro-batch's backward; 1 a reduce-scatter there and an all-gather behind the
                 first forward; 2 a reduce-scatter behind every backward; 3 per micro-batch 2 all-gathers and 1
@@ -278,8 +279,10 @@ def _stage_memory(spec, c: Layouts, m, k, first, last, layers, recipe, flash: bo
     return mem, psi_dense, psi_expert, share(1)
 
 
-def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, options: Options, k) -> Costs:
-    """Memory, bytes sent and seconds of the GPUs of pipeline stage k (a column of stage indices)."""
+def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, options: Options, k,
+           collectives: bool = False):
+    """Memory, bytes sent and seconds of the GPUs of pipeline stage k (a column of stage indices); with
+    collectives=True also the list of cost_comm.Collective that makes up the bytes sent."""
     recipe = memory.get_recipe(options.recipe)
     flash = options.attention == "flash"
     d, t, p, v = c.dp, c.tp, c.pp, c.virtual
@@ -317,4 +320,5 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, opt
                     comm.pp, comm.dp, torch.where(c.offload > 0, 0.0, optimizer_s), offload_s)
     sent = Traffic(comm.dp_sent, comm.tp_sent, comm.pp_sent, comm.cp_sent, comm.ep_sent,
                    offloaded * (recipe.grads + e))
-    return Costs(mem, sent, time, m, mfu(spec, cluster, c, global_batch, time.total))
+    out = Costs(mem, sent, time, m, mfu(spec, cluster, c, global_batch, time.total))
+    return (out, comm.collectives) if collectives else out

@@ -113,6 +113,13 @@ def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, o
     gather = torch.where(c.sp > 0, 0.0, tp_ring.time("all_gather", tokens * spec.hidden * e))
     pp_link = link_bandwidth(cluster, t * cp * d * p, link)
     pp_s = (p > 1) * 2 * (m * v + p - 2) * (alpha + boundary / pp_link + gather)
+    # tied embeddings on two stages: their gradients all-reduced between the first and the last once a step, after
+    # the pipeline drains (Megatron-LM's embedding group)
+    tied = float(spec.tied_embeddings) * (p > 1) * torch.maximum(first, last)
+    embedding = spec.vocab_size * spec.hidden / t * eg
+    embedding_ring = Ring(2 * torch.ones_like(p), pp_link, alpha)
+    out.append(Collective("pp", "all_reduce", embedding, tied, embedding_ring))
+    pp_s = pp_s + tied * embedding_ring.time("all_reduce", embedding)
 
     # -- data parallelism: per step -----------------------------------------------------------------
     busy = torch.where(in_node(cluster, t * cp * d), tp_busy + torch.where(in_node(cluster, t * cp), ring_busy, 0.0),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -217,10 +217,12 @@ def _candidate_rows(spec: ModelSpec, cluster: Cluster, global_batch: int, *, dp=
                     ep=None, max_tp=None, max_pp=None, max_cp=16, zero_stages=(0, 1, 2, 3), recompute=RECOMPUTE,
                     sequence_parallel=(False, True), micro_batches=None, max_micro_batch=16,
                     virtual_stages=None, cp_methods=CP_METHODS, offload=(False,), tp_overlap=(False, True),
-                    tp_within_node: bool = False) -> list[tuple]:
+                    tp_within_node: bool = False, attention: str = "flash") -> list[tuple]:
     _check_batch(global_batch)
     n, g, L, s = cluster.n_gpus, cluster.gpus_per_node, spec.n_layer, spec.seq_len
     fixed = lambda value, size: value is None or value == size  # noqa: E731
+    if attention == "flash" and None in recompute:  # FlashAttention keeps no scores: selective is no recomputation
+        recompute = [r for r in recompute if r != "selective"]
     rows = []
     for t in _divisors(n):
         if (spec.n_head % t or spec.kv_heads % t or spec.ffn % t or not fixed(tp, t) or (max_tp and t > max_tp)
@@ -286,7 +288,9 @@ class Plan:
 
     def find(self, layout: Layout) -> tuple[int | None, Estimate | None]:
         """(rank, estimate) of `layout` in this plan: rank 1 is the best; (None, estimate) when it does not
-        fit, (None, None) when it is outside the search."""
+        fit, (None, None) when it is outside the search. With FlashAttention, selective recomputation is none."""
+        if self.options.attention == "flash" and layout.recompute == "selective":
+            layout = replace(layout, recompute=None)
         for i, e in enumerate(self.ranked):
             if e.layout == layout:
                 return i + 1, e
@@ -322,7 +326,7 @@ def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_
     NoLayoutFits, naming the smallest memory any layout needs, when none fits.
     """
     _check_options(cluster, efficiency, overlap, reserve_gib, attention)
-    rows = _candidate_rows(spec, cluster, global_batch, **choices)
+    rows = _candidate_rows(spec, cluster, global_batch, attention=attention, **choices)
     if not rows:
         raise ValueError(f"no layout of {cluster.n_gpus} GPUs can run {spec.name} with a global batch of "
                          f"{global_batch} and these choices: tp must divide {spec.n_head} heads, pp be at most the "

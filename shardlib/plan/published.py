@@ -135,6 +135,8 @@ SOFTWARE = {
                                     recompute=(None, "full")),
     # Megatron-Core / NeMo in 2024: the distributed optimizer (ZeRO-1), no ZeRO-2 or -3
     "megatron-core-2024": dict(zero_stages=(0, 1)),
+    # Llama 3's 4D parallelism (arXiv 2407.21783, Sec. 3.3.2) describes no overlap of TP communication
+    "llama3": dict(tp_overlap=(False,)),
 }
 A100 = dict(gpu="a100")
 H100 = dict(gpu="h100")
@@ -201,7 +203,7 @@ def _llama3(n_gpus: int, cp: int, mfu: float) -> PublishedRun:
     return PublishedRun(
         f"Llama 3 405B, {n_gpus:,} GPUs, cp {cp}", spec, Cluster.of(n_gpus, **H100), layout, batch, "mixed_adam",
         f"BF16 MFU {mfu:.0%}" + ("" if step else " (memory only)"), step, "arXiv 2407.21783, Table 4 and Sec. 3.3",
-        assumed="micro-batch 1; v = 8, one layer per chunk (Sec. 3.3.2: the first chunk of the first stage holds only "
+        search=SOFTWARE["llama3"], assumed="micro-batch 1; v = 8, one layer per chunk (Sec. 3.3.2: the first chunk of the first stage holds only "
                 "the embedding); sequence parallel, no TP overlap; FSDP sharding optimizer states and gradients as "
                 "ZeRO-2 with 16-bit gradients; MFU read as 6 Psi + 12 L s h per token", gpu="h100")
 

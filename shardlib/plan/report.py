@@ -123,7 +123,7 @@ def format_table(estimates: list, cluster: Cluster) -> str:
 def deciding(best, other, cluster: Cluster) -> dict:
     """What decides `best` over `other`: the part of the step time where `other` loses most, whether that part
     alone decides (the rest of the difference favours `other` or is smaller than the gap), and its assumption."""
-    deltas = [(name, label, theirs - ours) for (name, label, ours), (_, _, theirs) in
+    deltas = [(name, label, theirs - ours) for (name, _, ours), (_, label, theirs) in
               zip(_time_parts(best, cluster), _time_parts(other, cluster))]
     name, label, most = max(deltas, key=lambda x: x[2])
     gap = other.step_s - best.step_s

@@ -51,7 +51,7 @@ def validate(run: PublishedRun, rank: bool = True, **constants) -> dict:
                error=e.step_s / run.step_s - 1 if run.step_s else None, memory_gib=e.memory_bytes / 2**30,
                fits=e.fits, assumed=run.assumed, free=", ".join(run.free), rank=None, gap=None, best=None,
                deciding="")
-    if rank and e.fits:
+    if rank and e.fits and run.step_s:  # memory-only runs (FP8 products, or no step time) are not ranked
         result = plan(run.spec, run.cluster, run.global_batch, **_options(run, constants), **run.search)
         place, found = result.find(e.layout)
         row.update(rank=place, best=str(result.best.layout), gap=found.step_s / result.best.step_s - 1 if found else None)
