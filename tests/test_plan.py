@@ -9,9 +9,12 @@ up to the padding of flat buffers (fewer than N elements per collective). For in
 weights and KV cache each rank of a TP or PP generation holds (shardlib.inference) within 5% of
 the inference planner's, and the bytes each sends per token equal to it.
 
-Published: ZeRO's Figure 1, the activation formulas of Korthikanti et al., the step time of
-published large runs (Megatron-LM's Table 1, BLOOM-176B, Llama 3 405B: the error of each, and
-none of their layouts rejected for memory), Llama 2's KV cache, parameter counts of real models.
+Published: ZeRO's Figure 1, the activation formulas of Korthikanti et al., Megatron's distributed
+optimizer's bytes per parameter, the step time of the published runs of shardlib/plan/published.py (the
+constants fitted on the training set; on the held-out set mean error <= 7%, none off by more than 15%,
+no layout rejected for memory; the rank of each published layout in the planner's own search), Llama 2's
+KV cache, parameter counts of real models. Physics: the matmul curve's tile and wave quantization, the
+overlap rule, ZeRO inside a pipeline paid per micro-batch, the scatter/gather of pipeline sends.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import math
 import subprocess
 import sys
 from contextlib import nullcontext
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -31,7 +35,6 @@ from shardlib import launch, memory
 from shardlib.comm import comm_ledger
 from shardlib.inference.generate import generate, generate_pipelined
 from shardlib.inference.kv_cache import kv_cache_bytes
-from shardlib.lessons.planner_validation import format_validation, published_runs, validate
 from shardlib.mesh import Mesh
 from shardlib.models import GPTConfig, build_gpt
 from shardlib.parallel.context_gpt import context_parallel_loss, sync_context_parallel_grads
@@ -41,8 +44,15 @@ from shardlib.parallel.pipeline import gpt_stage, pipeline_step
 from shardlib.parallel.tensor_gpt import parallelize_gpt, sync_sequence_parallel_grads
 from shardlib.parallel.zero import ZeroOptimizer
 from shardlib.parallel.zero_stages import apply_zero
-from shardlib.plan import Cluster, Layout, ModelSpec, NoLayoutFits, candidate_layouts, plan, predict
+from shardlib.plan import Cluster, Layout, ModelSpec, NoLayoutFits, candidate_layouts, per_gpu, plan, predict
 from shardlib.plan import main as plan_main
+from shardlib.plan.fitted import FITTED
+from shardlib.plan.gemm import matmul_seconds
+from shardlib.plan.links import COMPUTE_SLOWDOWN, exposed
+from shardlib.plan.published import held_out_runs, training_runs
+from shardlib.plan.report import ASSUMPTIONS
+from shardlib.plan.validate import format_table as format_validation
+from shardlib.plan.validate import published_estimate, summary, table
 from shardlib.plan.inference import inference_table, predict_inference
 from shardlib.reference import model_loss
 
@@ -315,10 +325,18 @@ def test_activations_follow_korthikanti_table_2():
         Layout(tp=4, micro_batch=b, recompute="selective"): L * s * b * h * (10 + 24 / t),
         Layout(tp=4, micro_batch=b, recompute="full"): L * 2 * s * b * h + no_recompute,
     }
-    for layout, per_stage in cases.items():
-        assert predict(spec, cluster, layout, b).activation_bytes == pytest.approx(per_stage + logits), layout
-    one = predict(spec, Cluster.of(1), Layout(micro_batch=b), b).activation_bytes
+    for layout, per_stage in cases.items():  # the paper's attention writes the scores out
+        got = predict(spec, cluster, layout, b, attention="unfused").activation_bytes
+        assert got == pytest.approx(per_stage + logits), layout
+    one = predict(spec, Cluster.of(1), Layout(micro_batch=b), b, attention="unfused").activation_bytes
     assert one == pytest.approx(L * s * b * h * (34 + 5 * a * s / h) + 4 * s * b * V)
+    flash = predict(spec, cluster, Layout(tp=4, micro_batch=b, sequence_parallel=True), b).activation_bytes
+    assert flash == pytest.approx(L * 34 * s * b * h / t + logits), "FlashAttention keeps no scores: as selective"
+    # a Llama layer (no dropout, grouped-query attention r = kv/heads, gated MLP): (8) + (4 + 4 r + 6 f/h) per token
+    llama = replace(ModelSpec.preset("llama-70b", seq_len=s), n_layer=L)
+    r, f = 8 / 64, 28672 / 8192
+    got = predict(llama, cluster, Layout(tp=4, micro_batch=b, sequence_parallel=True), b).activation_bytes
+    assert got == pytest.approx(L * s * b * 8192 / t * (8 + 4 + 4 * r + 6 * f) + 4 * s * b * 32000 / t)
 
 
 def test_1f1b_and_interleaved_pipelines():
@@ -340,7 +358,7 @@ def test_1f1b_and_interleaved_pipelines():
 
 def test_recomputation_trades_memory_for_compute():
     spec, cluster = ModelSpec.preset("llama-7b"), Cluster.of(8)
-    by_mode = {mode: predict(spec, cluster, Layout(dp=8, zero=3, recompute=mode), 8) for mode in
+    by_mode = {mode: predict(spec, cluster, Layout(dp=8, zero=3, recompute=mode), 8, attention="unfused") for mode in
                (None, "selective", "full")}
     memory_ = [e.activation_bytes for e in by_mode.values()]
     compute = [e.compute_s for e in by_mode.values()]
@@ -377,25 +395,160 @@ def test_overlap_hides_data_parallel_communication_behind_compute():
     assert exposed.step_s - hidden.step_s == pytest.approx(exposed.dp_s - hidden.dp_s)
 
 
-def test_published_runs_step_time_and_memory():
-    # Megatron-LM Table 1 (arXiv 2104.04473), BLOOM-176B (arXiv 2211.05100 and its logbook), Llama 3 405B
-    # (arXiv 2407.21783, Table 4): sources and derivations in shardlib/lessons/planner_validation.py
-    rows = validate()
+@pytest.mark.slow
+def test_held_out_published_runs_meet_the_targets():
+    # shardlib/plan/published.py: runs never used to fit shardlib/plan/fitted.py. Step time: mean error <= 7%,
+    # none off by more than 15%; memory: every published layout (FP8 ones included) fits the planner's model;
+    # ranked among every layout of the planner's own search (as far as the run's software went), each is found
+    rows = table(held_out_runs())
     print("\n" + format_validation(rows))
-    assert len({r["run"].split(" GPT")[0].split(",")[0] for r in rows}) >= 3, "at least three published sources"
+    s = summary(rows)
+    assert s["n"] >= 5 and len({r["source"].split(",")[0] for r in rows}) >= 4, "several independent sources"
+    assert s["mean"] <= 0.07 and s["max"] <= 0.15, f"held-out step-time error: mean {s['mean']:.1%}, max {s['max']:.1%}"
+    assert not s["not_fitting"], f"published layouts the planner says do not fit: {s['not_fitting']}"
+    _ranks_are_explained(rows)
+
+
+def _ranks_are_explained(rows):
     for r in rows:
-        assert abs(r["error"]) <= 0.10, f"{r['run']}: predicted {r['predicted_step_s']:.2f} s per step, published " \
-                                        f"{r['published_step_s']:.2f} s ({r['error']:+.1%})"
-        if not r["assumed"]:  # every layout published in full fits the planner's memory model
-            assert r["fits"], f"{r['run']}: the planner rejects {r['layout']}, which ran ({r['memory_gib']:.1f} GiB)"
+        if r["published_step_s"] is None:
+            continue
+        assert r["rank"] is not None, f"{r['run']}: {r['layout']} is not in the planner's search"
+        if r["rank"] > 1:  # the planner prefers another layout: explain() names what decides it
+            assert any(text in r["deciding"] for text in ASSUMPTIONS.values()), (r["run"], r["deciding"])
+        print(f"{r['run']}: rank {r['rank']}, {r['gap']:.1%} behind {r['best']}. {r['deciding']}")
 
 
-def test_memory_never_rejects_a_published_layout():
-    # the published sizes (tp, cp, pp, dp, batch) of every run fit, with the unpublished knobs at their smallest
-    for run in published_runs():
-        layout = replace(run.layout, virtual_stages=1, micro_batch=1) if run.assumed else run.layout
-        e = predict(run.spec, run.cluster, layout, run.global_batch, recipe=run.recipe)
-        assert e.fits, f"{run.name}: {layout} ran on {run.cluster.gpu_mem_gib:g} GiB GPUs, the planner says {e.reason}"
+@pytest.mark.slow
+def test_training_runs_fit_and_the_constants_are_their_fit():
+    # the training set: what fitted.py's constants are fitted on; each constant, moved by 0.01 either way, fits
+    # them no better (the constants are a minimum of the squared log error, not typed in)
+    runs = training_runs()
+    rows = table(runs, rank=False)  # `python -m shardlib plan --validate` ranks them too
+    print("\n" + format_validation(rows))
+    s = summary(rows)
+    assert s["mean"] <= 0.05 and not s["not_fitting"], s
+    for run, row in zip(runs, rows):  # each published layout is among those the planner searches (the same mesh)
+        lay = published_estimate(run).layout
+        searched = candidate_layouts(run.spec, run.cluster, run.global_batch, attention=run.attention, dp=lay.dp,
+                                     tp=lay.tp, pp=lay.pp, **run.search)
+        assert lay in searched, row["run"]
+    loss = lambda constants: sum(math.log(r["predicted_step_s"] / r["published_step_s"]) ** 2  # noqa: E731
+                                 for r in table(runs, rank=False, **constants))
+    best = loss({})
+    for key in FITTED:
+        for delta in (-0.01, 0.01):
+            assert loss({key: FITTED[key] + delta}) >= best - 1e-4, f"{key} = {FITTED[key] + delta} fits better"
+
+
+def test_matmul_curve_quantizes_tiles_and_waves():
+    # NVIDIA's Matrix Multiplication Background guide (shardlib/plan/gemm.py): 256 x 128 output tiles in waves of one
+    # per SM. 12 x 9 = 108 tiles fill the A100's 108 SMs once; 13 x 9 = 117 take a second wave: twice the time.
+    a100 = Cluster.of(8)
+    full = matmul_seconds(12 * 256, 9 * 128, 8192, a100, 1.0, 1.0)
+    more = matmul_seconds(13 * 256, 9 * 128, 8192, a100, 1.0, 1.0)
+    assert float(more) == pytest.approx(2 * float(full)), "117 tiles: two waves on 108 SMs"
+    # a full wave runs at the measured ceiling; at K = 8 the product is bound by memory: bytes over bandwidth
+    assert 2 * 108 * 256 * 128 * 8192 / float(full) == pytest.approx(a100.matmul_tflops * 1e12)
+    m, n, k = 8192, 8192, 8
+    assert float(matmul_seconds(m, n, k, a100, 1.0, 1.0)) == pytest.approx(
+        2 * (m * k + k * n + m * n) / (a100.hbm_bw_gbps * 1e9))
+    # tensor parallelism narrows every product: a 7B layer's QKV product split 8 ways (4096 tokens) is 16 x 12 = 192
+    # tiles, 2 waves of an H100's 132 SMs, 73% full; whole, 1536 tiles fill 12 waves to 97%
+    h100 = Cluster.of(8, gpu="h100")
+    rate = lambda t: 2 * 4096 * (3 * 4096 // t) * 4096 / float(matmul_seconds(4096, 3 * 4096 // t, 4096, h100, 1, 1))  # noqa
+    assert rate(8) / rate(1) == pytest.approx((192 / 264) / (1536 / 1584))
+
+
+def test_overlap_hides_no_more_than_the_compute_and_slows_it():
+    # links.py: exposed(C, T) = max(C - T, C kappa / (1 + kappa)), kappa = 18.9% (arXiv 2507.03114)
+    c, t = torch.tensor([1.0, 10.0, 0.5]), torch.tensor([4.0, 4.0, 4.0])
+    got = exposed(c, t)
+    assert torch.allclose(got, torch.tensor([COMPUTE_SLOWDOWN / (1 + COMPUTE_SLOWDOWN), 6.0,
+                                             0.5 * COMPUTE_SLOWDOWN / (1 + COMPUTE_SLOWDOWN)]))
+    assert bool((got >= c - t).all()) and bool((got > 0).all()), "never more hidden than the compute, never free"
+    assert torch.equal(exposed(c, t, overlap=False), c)
+
+
+def test_zero3_inside_a_pipeline_pays_every_micro_batch_and_is_marked():
+    # lesson 06's old pick: ZeRO-3 over a pipeline of 64 micro-batches gathers each stage's weights per micro-batch
+    spec, cluster = ModelSpec.preset("llama-70b"), Cluster.of(16)
+    lay = Layout(cp=4, tp=2, pp=2, zero=3, recompute="selective", sequence_parallel=True, virtual_stages=4)
+    e = predict(spec, cluster, lay, 64)
+    stage_bytes = 2 * spec.psi / (lay.tp * lay.pp)  # bf16 weights of one stage on one tensor-parallel rank
+    assert e.dp_sent_bytes == pytest.approx(64 * 3 * 3 / 4 * stage_bytes, rel=0.02), "3 passes per micro-batch"
+    seconds = e.dp_sent_bytes / (cluster.intra_bw_gbps * 1e9 * FITTED["nvlink"])  # what the links need
+    assert e.dp_s >= 0.9 * seconds * COMPUTE_SLOWDOWN / (1 + COMPUTE_SLOWDOWN), "overlap is not free"
+    assert lay.caveats() and "DeepSpeed refuses" in lay.caveats()[0]
+    result = plan(spec, cluster, 64, tp=2, cp=4, pp=2, zero_stages=(3,), recompute=("selective",), virtual_stages=(4,))
+    assert "*" in result.table(1) and "DeepSpeed refuses" in result.explain()
+    assert "ZeRO-3 over the 4 GPUs of its data- and context-parallel group (dp 1 x cp 4)" in result.explain()
+
+
+def test_pipeline_sends_one_tth_per_tensor_parallel_rank():
+    # arXiv 2104.04473, Sec. 4.1: each of the t ranks sends 1/t of the b s h activation; the receivers all-gather it
+    spec = ModelSpec(8, 1024, 16, 32000, 1024)
+    for t in (1, 4):
+        e = predict(spec, Cluster.of(2 * t), Layout(tp=t, pp=2, micro_batch=2), 8, stage=0)
+        assert e.pp_sent_bytes == pytest.approx(4 * 2 * 1024 * 1024 * 2 / t), t  # 4 micro-batches of b s h / t, bf16
+
+
+def test_tp_overlap_hides_tp_communication_and_needs_sequence_parallelism():
+    spec, cluster = ModelSpec.preset("llama-70b"), Cluster.of(16)
+    base = Layout(tp=8, pp=2, sequence_parallel=True, recompute="selective")
+    plain, hidden = predict(spec, cluster, base, 64), predict(spec, cluster, replace(base, tp_overlap=True), 64)
+    assert hidden.tp_s < 0.5 * plain.tp_s and hidden.tp_sent_bytes == plain.tp_sent_bytes
+    assert hidden.tp_s >= plain.tp_s * COMPUTE_SLOWDOWN / (1 + COMPUTE_SLOWDOWN) * 0.9
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        predict(spec, cluster, replace(base, sequence_parallel=False, tp_overlap=True), 64)
+
+
+def test_virtual_stages_any_count_that_divides_a_stage():
+    # Megatron-LM's Table 1 ran 60 layers on 4 stages as 3 chunks of 5 (run_table_1.sh); Llama 3 126 layers on 16
+    # stages, the first chunk holding only the embedding (Megatron-Core's account_for_embedding_in_pipeline_split)
+    spec = ModelSpec(60, 1024, 16, 32000, 1024)
+    found = {lay.virtual_stages for lay in candidate_layouts(spec, Cluster.of(8), 64, pp=4)}
+    assert found == {1, 3, 5, 15}
+    llama = ModelSpec.preset("llama3-405b")
+    assert 8 in {lay.virtual_stages for lay in candidate_layouts(llama, Cluster.of(128), 128, tp=8, pp=16)}
+    with pytest.raises(ValueError, match="multiple of it"):
+        predict(spec, Cluster.of(8), Layout(dp=2, pp=4, virtual_stages=3), 12)  # 6 micro-batches on 4 stages
+
+
+def test_megatron_distributed_optimizer_bytes_per_parameter():
+    # Megatron Core's distributed optimizer (docs/user-guide/features/dist_optimizer.md), bytes per parameter with d
+    # data-parallel ranks: fp16/bf16 parameters and gradients 4 + 16/d; bf16 parameters, fp32 gradients 6 + 12/d;
+    # fp32 8 + 8/d; without it 20, 18, 16
+    spec, cluster, d = ModelSpec(4, 1024, 16, 32000, 1024, n_params=10**9), Cluster.of(8), 8
+    for recipe, distributed, plain in (("mixed_adam_fp32_main_grads", 4 + 16 / d, 20),
+                                       ("mixed_adam_fp32_grads", 6 + 12 / d, 18), ("fp32_adam", 8 + 8 / d, 16)):
+        for zero, expected in ((1, distributed), (0, plain)):
+            e = predict(spec, cluster, Layout(dp=d, zero=zero), d, recipe=recipe)
+            assert e.model_state_bytes == pytest.approx(expected * 1e9), (recipe, zero)
+
+
+def test_per_gpu_lists_what_the_costs_add_up_to():
+    # ledger.per_gpu: memory by kind and every collective; its bytes sent per group are the planner's, stage by stage
+    spec, cluster = ModelSpec.preset("llama-7b"), Cluster.of(16)
+    lay = Layout(dp=2, tp=4, pp=2, zero=1, sequence_parallel=True, micro_batch=2, virtual_stages=2)
+    for stage in (0, 1):
+        got = per_gpu(spec, cluster, lay, 16, stage=stage)
+        e = predict(spec, cluster, lay, 16, stage=stage)
+        assert got["memory"]["total"] == pytest.approx(e.memory_bytes)
+        assert got["memory"]["params"] + got["memory"]["grads"] + got["memory"]["optimizer"] == pytest.approx(
+            e.model_state_bytes)
+        for group in ("dp", "tp", "pp"):
+            listed = sum(x["sent"] for x in got["collectives"] if x["group"] == group)
+            assert listed == pytest.approx(getattr(e.costs.sent, group)), (stage, group)
+        assert {x["group_size"] for x in got["collectives"] if x["group"] == "tp"} == {4}
+    dp = [x for x in per_gpu(spec, cluster, lay, 16)["collectives"] if x["group"] == "dp"]
+    assert {x["kind"] for x in dp} == {"reduce_scatter", "all_gather"} and all(x["calls"] == 1 for x in dp)
+
+
+def test_lesson_06_70b_pick_is_tensor_parallel_in_a_node_and_pipelined_across():
+    # Llama 2 70B, 64 sequences of 4096 tokens, 2 x 8 A100 80GB: Megatron-LM's recipe (arXiv 2104.04473, Takeaway 1)
+    best = plan(ModelSpec.preset("llama-70b"), Cluster(n_nodes=2, gpus_per_node=8, gpu_mem_gib=80), 64).best.layout
+    assert (best.tp, best.pp, best.dp * best.cp, best.zero) == (8, 2, 1, 0), best
 
 
 def test_70b_with_adam_does_not_fit_one_node_of_80gb():
@@ -437,9 +590,11 @@ def test_tp_stays_inside_a_node_when_the_network_is_slow():
 
 
 def test_large_model_on_many_nodes_keeps_tp_inside_a_node():
-    result = plan(ModelSpec.preset("gpt3-175b"), Cluster.of(1024), 1024)
+    cluster = Cluster.of(1024)
+    result = plan(ModelSpec.preset("gpt3-175b"), cluster, 1024)
     assert result.best.layout.tp == 8, result.best.layout
-    assert 0.3 < result.best.mfu <= 0.67, "the model caps MFU at the matrix products' efficiency"
+    ceiling = cluster.matmul_fraction * cluster.matmul_tflops / cluster.peak_tflops
+    assert 0.3 < result.best.mfu <= ceiling, "the model caps MFU at the matrix products' rate"
 
 
 def test_small_model_prefers_data_parallelism():
@@ -640,7 +795,9 @@ def test_enumeration_respects_the_constraints_and_filters():
     assert all(lay.pp <= spec.n_layer and spec.kv_heads % lay.tp == 0 for lay in layouts)
     assert all(128 % (lay.dp * lay.micro_batch) == 0 for lay in layouts)
     assert all(lay.zero == 0 for lay in layouts if lay.dp * lay.cp == 1)
-    assert all(spec.n_layer % (lay.pp * lay.virtual_stages) == 0 for lay in layouts if lay.virtual_stages > 1)
+    assert all(-(-spec.n_layer // lay.pp) % lay.virtual_stages == 0 and 128 // (lay.dp * lay.micro_batch) % lay.pp == 0
+               for lay in layouts if lay.virtual_stages > 1), "v divides a stage's layers, m a multiple of pp"
+    assert {lay.virtual_stages for lay in layouts if lay.pp == 4} == {1, 2, 4, 5, 10, 20}, "every divisor of 80/4"
     assert len(set(layouts)) == len(layouts)
     inside = candidate_layouts(spec, Cluster.of(64, gpus_per_node=4), 128, tp_within_node=True)
     assert max(lay.tp for lay in inside) == 4 and max(lay.tp for lay in layouts) == 8
@@ -694,7 +851,9 @@ def test_cli_explains_impossible_jobs(capsys):
     for args, message in ((["--model", "llama-7b", "--gpus", "4", "--gpu-mem", "-3"], "--gpu-mem must be positive"),
                           (["--model", "no-such-model", "--gpus", "4", "--gpu-mem", "24"], "preset"),
                           (["--model", "llama-7b", "--gpus", "12", "--gpu-mem", "24"], "multiple of 8"),
-                          (["--model", "llama-7b", "--gpus", "8"], "--gpus and --gpu-mem"),
+                          (["--model", "llama-7b"], "--gpus is needed"),
+                          (["--gpus", "8"], "--model is needed"),
+                          (["--model", "llama-7b", "--fit"], "use it with --validate"),
                           (["--model", "llama-7b", "--gpus", "8", "--gpu-mem", "80", "--evaluate", "--tp", "3"],
                            "does not divide"),
                           (["--model", "llama-7b", "--gpus", "8", "--gpu-mem", "80", "--evaluate", "--zero", "1", "2"],
@@ -712,3 +871,42 @@ def test_cli_reads_a_hugging_face_config(tmp_path, capsys):
     assert plan_main(["--model", str(path), "--gpus", "8", "--gpu-mem", "24", "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert "16 layers" in out and "Best:" in out
+
+
+# ---------------------------------------------------------------------------------
+# lab 06: its checks catch wrong answers, not only the stub (tests/test_labs.py runs the stub)
+
+
+def _lab_06_solution():
+    """Lab 06's solution run here in order, its checks included (not the set-up cell, not check 2's real run):
+    (namespace, {check: source})."""
+    cells = json.loads((Path(__file__).resolve().parent.parent / "solutions" / "06_plan_a_job.ipynb").read_text())
+    namespace, checks = {}, {}
+    for cell in (c for c in cells["cells"] if c["cell_type"] == "code"):
+        source = "".join(cell["source"])
+        if "%pip" in source or "held_after_one_step" in source:
+            continue
+        exec(source, namespace)  # noqa: S102 - the solution passes every check
+        for name, marker in (("7b", "ring_tp_seconds"), ("70b", "answer = my_70b_nodes()")):
+            if marker in source and "check" in cell["metadata"].get("tags", []):
+                checks[name] = source
+    return namespace, checks
+
+
+@pytest.mark.slow
+def test_lab_06_checks_fail_on_wrong_answers_and_pass_on_the_solution():
+    ns, checks = _lab_06_solution()
+    assert set(checks) == {"7b", "70b"}
+    right_tp, right_7b, right_70b = ns["my_tp_seconds"], ns["my_7b_job"], ns["my_70b_nodes"]
+    wrong = [
+        ("7b", "my_7b_job", lambda: ("bf16_master_adam", Layout(dp=4, zero=3, recompute="full"))),  # 20% slower
+        ("7b", "my_7b_job", lambda: ("mixed_adam", Layout(tp=2, pp=2, recompute="selective", sequence_parallel=True))),
+        ("7b", "my_tp_seconds", lambda spec, cluster, layout, batch: right_tp(spec, cluster, layout, batch) / 2),
+        ("70b", "my_70b_nodes", lambda: (3, Layout(tp=8, pp=3, recompute="full", sequence_parallel=True))),
+        ("70b", "my_70b_nodes", lambda: (1, Layout(tp=8, recompute="full"))),
+    ]
+    for check, name, answer in wrong:
+        ns.update(my_tp_seconds=right_tp, my_7b_job=right_7b, my_70b_nodes=right_70b)
+        ns[name] = answer
+        with pytest.raises(AssertionError):
+            exec(checks[check], ns)  # noqa: S102

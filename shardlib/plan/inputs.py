@@ -14,6 +14,7 @@ from shardlib.plan.fitted import FITTED
 from shardlib.plan.model import PRESETS, ModelSpec, count_text, load_model  # noqa: F401  (re-exported)
 
 GiB = 2**30
+A100_MATMUL = 267.9  # TFLOP/s, the measured bf16 matmul maximum of an A100 SXM (shardlib/plan/gemm.py)
 RECOMPUTE = (None, "selective", "full")
 CP_METHODS = ("ring", "ulysses")
 
@@ -31,8 +32,9 @@ class Cluster:
     architecture, RA-09950-001). host_mem_bw_gbps: CPU memory bandwidth per GPU for an offloaded
     optimizer step: a DGX A100's two AMD EPYC 7742 have 8 DDR4-3200 channels each, 2 x 204.8 GB/s
     for 8 GPUs. matmul_tflops: the fastest bf16 matrix product measured on the GPU, n_sm its
-    streaming multiprocessors (shardlib/plan/gemm.py; GPUS below), matmul_fraction the part of that
-    rate a training job's products reach (fitted, shardlib/plan/fitted.py; the A100's by default). alpha_us: latency per step of a
+    streaming multiprocessors (shardlib/plan/gemm.py; GPUS below; without a measurement, the A100's
+    267.9 / 312 of peak_tflops), matmul_fraction the part of that rate a training job's products reach
+    (fitted, shardlib/plan/fitted.py; the A100's by default). alpha_us: latency per step of a
     ring collective: an 8-byte all-reduce over 2 NVLink A100s takes 9.85 us for its 2 steps
     (https://github.com/NVIDIA/nccl-tests/issues/331)."""
 
@@ -46,11 +48,13 @@ class Cluster:
     hbm_bw_gbps: float = 2039.0
     pcie_bw_gbps: float = 32.0
     host_mem_bw_gbps: float = 51.2
-    matmul_tflops: float = 267.9
+    matmul_tflops: float | None = None  # None: peak_tflops x 267.9 / 312, the A100's measured ratio
     n_sm: int = 108
     matmul_fraction: float = FITTED["a100"]
 
     def __post_init__(self):
+        if self.matmul_tflops is None:  # a GPU without a measurement: the A100's measured fraction of its peak
+            object.__setattr__(self, "matmul_tflops", self.peak_tflops * A100_MATMUL / 312.0)
         for key, value in asdict(self).items():
             whole = key in ("n_nodes", "gpus_per_node", "n_sm")
             if not (isinstance(value, (int, float)) and value > 0) or (whole and not isinstance(value, int)):
@@ -84,7 +88,7 @@ class Cluster:
 # GPU between servers (https://www.nvidia.com/en-us/data-center/dgx-h100/); PCIe 5.0 x16, 64 GB/s each way.
 # matmul_tflops: measured maxima of bf16 products (ml-engineering's table, shardlib/plan/gemm.py).
 GPUS = {
-    "a100": dict(gpu_mem_gib=80.0, peak_tflops=312.0, matmul_tflops=267.9, n_sm=108, hbm_bw_gbps=2039.0,
+    "a100": dict(gpu_mem_gib=80.0, peak_tflops=312.0, matmul_tflops=A100_MATMUL, n_sm=108, hbm_bw_gbps=2039.0,
                  intra_bw_gbps=300.0, inter_bw_gbps=25.0, pcie_bw_gbps=32.0, matmul_fraction=FITTED["a100"]),
     "h100": dict(gpu_mem_gib=80.0, peak_tflops=989.0, matmul_tflops=792.1, n_sm=132, hbm_bw_gbps=3350.0,
                  intra_bw_gbps=450.0, inter_bw_gbps=50.0, pcie_bw_gbps=64.0, matmul_fraction=FITTED["h100"]),
