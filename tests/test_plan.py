@@ -619,7 +619,7 @@ def test_no_model_size_or_batch_crashes_the_planner():
     # 6 Psi tokens passes 2**64 for a 1T model: every number stays a float (once an OverflowError)
     trillion = ModelSpec(128, 25600, 160, 51200, 2048, tied_embeddings=True, name="gpt-1t")  # arXiv 2104.04473
     assert trillion.psi == pytest.approx(1.008e12, rel=0.001)
-    result = plan(trillion, Cluster.of(3072), 3072)
+    result = plan(trillion, Cluster.of(3072), 3072, tp=8, max_micro_batch=2)  # the sizes; the search is timed elsewhere
     assert math.isfinite(result.best.step_s) and 0 < result.best.mfu < 1
     ten_t = ModelSpec(200, 65536, 512, 128256, 8192, name="gpt-10t")
     assert ten_t.psi > 1e13
@@ -628,7 +628,7 @@ def test_no_model_size_or_batch_crashes_the_planner():
         assert math.isfinite(e.step_s) and math.isfinite(e.memory_bytes) and e.step_s > 0, global_batch
     assert 6 * ten_t.psi * 2**30 * ten_t.seq_len > 2**64
     gpt3 = ModelSpec.preset("gpt3-175b")
-    big = plan(gpt3, Cluster.of(1024), 1_048_576)  # far past the ~8,600 sequences that used to overflow
+    big = plan(gpt3, Cluster.of(1024), 1_048_576, tp=8, max_micro_batch=2)  # far past ~8,600 sequences (once overflowed)
     assert math.isfinite(big.best.step_s)
     with pytest.raises(NoLayoutFits):
         plan(ten_t, Cluster.of(64), 64)

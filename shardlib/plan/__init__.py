@@ -10,6 +10,7 @@ time predicted from the course's formulas; and, for inference, weights and KV ca
     cost_comm.py  every collective of a pipeline stage and the seconds it adds
     cost.py       the cost model: memory, bytes sent, step time of layouts (named dataclasses)
     fitted.py     its free constants, fitted on published runs
+    rules.py      what can run: check_layout and the options
     planner.py    the search: candidate layouts, predict one, plan (rank what fits)
     ledger.py     per_gpu: one GPU's memory and collectives item by item, to hold against a measurement
     published.py  published training runs, a training set and a held-out set

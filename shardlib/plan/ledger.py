@@ -23,13 +23,14 @@ from dataclasses import asdict
 from shardlib.plan.cost import Layouts, Options, _one_thread, _stage, layers_of_stage
 from shardlib.plan.inputs import Cluster, Layout
 from shardlib.plan.model import ModelSpec
-from shardlib.plan.planner import _check_options, _row, check_layout
+from shardlib.plan.planner import _row
+from shardlib.plan.rules import check_layout, check_options
 
 
 def per_gpu(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int, *, stage: int = 0,
             recipe="mixed_adam", efficiency: float | None = None, overlap: bool = True, attention: str = "flash") -> dict:
     """One GPU of pipeline stage `stage`: its memory by kind and its collectives one by one (module docstring)."""
-    _check_options(cluster, efficiency, overlap, 0.0, attention)
+    check_options(cluster, efficiency, overlap, 0.0, attention)
     check_layout(spec, cluster, layout, global_batch)
     if not 0 <= stage < layout.pp:
         raise ValueError(f"stage must be in 0..{layout.pp - 1}, got {stage}")

@@ -2,14 +2,14 @@
 cost model (shardlib/plan/cost.py: formulas and sources), keep what fits, rank by step time.
 
     spec = ModelSpec.preset("llama-70b")                       # or ModelSpec.from_hf("config.json")
-    cluster = Cluster(n_nodes=2, gpus_per_node=8, gpu_mem_gib=80)
+    cluster = Cluster(n_nodes=2, gpus_per_node=8, gpu_mem_gib=80)   # or Cluster.of(16, gpu="h100")
     result = plan(spec, cluster, global_batch=256)              # raises NoLayoutFits if nothing fits
     print(result.table(5)); print(result.explain())
     one = predict(spec, cluster, Layout(dp=16, zero=3, recompute="full"), global_batch=256)
     fixed = plan(spec, cluster, 256, tp=8, max_pp=4)             # filters narrow the search
 
-`python -m shardlib plan --model llama-70b --gpus 16 --gpu-mem 80` prints the same; `--evaluate`
-with `--tp --pp ...` prints one layout's breakdown.
+`python -m shardlib plan --model llama-70b --gpus 16` prints the same; `--evaluate` with `--tp --pp ...`
+prints one layout's breakdown. What can run is decided in shardlib/plan/rules.py.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from shardlib import memory
-from shardlib.plan.cost import ATTENTION, FITTED, Costs, Layouts, Options, costs
+from shardlib.plan.cost import FITTED, Costs, Layouts, Options, costs
 from shardlib.plan.inputs import CP_METHODS, RECOMPUTE, Cluster, GiB, Layout
 from shardlib.plan.model import ModelSpec, count_text
 from shardlib.plan.report import explain, format_table
+from shardlib.plan.rules import check_batch, check_options, check_layout
 
 
 @dataclass
@@ -81,74 +82,6 @@ class NoLayoutFits(ValueError):
 
 
 # ---------------------------------------------------------------------------------
-# checking inputs
-
-
-def _check_batch(global_batch) -> None:
-    if not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"global_batch must be a positive integer (sequences per step), got {global_batch!r}")
-
-
-def _check_options(cluster: Cluster, efficiency, overlap, reserve_gib: float, attention: str = "flash") -> None:
-    if efficiency is not None and not 0 < efficiency <= 1:
-        raise ValueError(f"efficiency must be in (0, 1], the fraction of the GPU's measured matmul ceiling "
-                         f"(Cluster.matmul_tflops) the products reach; got {efficiency!r}")
-    if attention not in ATTENTION:
-        raise ValueError(f"attention must be one of {ATTENTION} (FlashAttention, or scores written out), "
-                         f"got {attention!r}")
-    if not isinstance(overlap, bool):
-        raise ValueError(f"overlap must be True (hide data-parallel communication behind compute) or False; "
-                         f"got {overlap!r}")
-    if not 0 <= reserve_gib < cluster.gpu_mem_gib:
-        raise ValueError(f"reserve_gib must be in [0, {cluster.gpu_mem_gib:g}) GiB, got {reserve_gib!r}")
-
-
-def check_layout(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int) -> None:
-    """Raise ValueError, saying what to change, for a layout that cannot run."""
-    _check_batch(global_batch)
-    lay, problems = layout, []
-    d, t, p, c, b, e, v = lay.dp, lay.tp, lay.pp, lay.cp, lay.micro_batch, lay.ep, lay.virtual_stages
-    if min(d, t, p, c, b, e, v) < 1:
-        raise ValueError(f"layout {lay} cannot run: dp, tp, pp, cp, ep, micro_batch and virtual_stages must be "
-                         f">= 1 (got {d}, {t}, {p}, {c}, {e}, {b}, {v})")
-    if lay.n_gpus != cluster.n_gpus:
-        problems.append(f"dp*cp*tp*pp = {lay.n_gpus} but the cluster has {cluster.n_gpus} GPUs")
-    elif global_batch % (d * b):
-        problems.append(f"global batch {global_batch} is not a multiple of dp*micro_batch = {d * b}")
-    if spec.n_head % t or spec.kv_heads % t or spec.ffn % t:
-        problems.append(f"tp={t} must divide the heads ({spec.n_head}, {spec.kv_heads} key/value) and "
-                        f"the MLP size ({spec.ffn})")
-    if p > spec.n_layer:
-        problems.append(f"pp={p} is more stages than the {spec.n_layer} layers")
-    if v > 1 and (p == 1 or p * v > spec.n_layer + 2):
-        problems.append(f"virtual_stages={v} needs pp > 1 and a layer in every chunk but the first and the last "
-                        f"(which may hold only the embedding or the loss: Megatron-Core's "
-                        f"account_for_embedding_in_pipeline_split): pp*virtual_stages at most {spec.n_layer} + 2")
-    elif v > 1 and lay.n_gpus == cluster.n_gpus and not global_batch % (d * b) and (global_batch // (d * b)) % p:
-        problems.append(f"the interleaved schedule runs micro-batches in groups of pp={p}: the "
-                        f"{global_batch // (d * b)} micro-batches per step must be a multiple of it "
-                        "(Megatron-Core, megatron/core/pipeline_parallel/schedules.py)")
-    if lay.tp_overlap and not (lay.sequence_parallel and t > 1):
-        problems.append("tp_overlap overlaps sequence parallelism's all-gathers and reduce-scatters with the "
-                        "products they feed: it needs tp > 1 and sequence_parallel=True")
-    if lay.zero not in (0, 1, 2, 3) or lay.recompute not in RECOMPUTE or lay.cp_method not in CP_METHODS:
-        problems.append(f"zero must be 0..3, recompute one of {RECOMPUTE}, cp_method one of {CP_METHODS}")
-    if lay.sequence_parallel and t > 1 and (spec.seq_len // c) % t:
-        problems.append(f"sequence parallelism needs tp={t} to divide the {spec.seq_len // c} tokens per rank")
-    if c > 1 and lay.cp_method == "ring" and spec.seq_len % (2 * c):
-        problems.append(f"ring attention splits each sequence in 2*cp = {2 * c} chunks (load balance): "
-                        f"the sequence length {spec.seq_len} must be a multiple of it")
-    if c > 1 and lay.cp_method == "ulysses" and ((spec.n_head // t) % c or (spec.kv_heads // t) % c):
-        problems.append(f"Ulysses gives each of cp={c} ranks whole heads: cp must divide the {spec.n_head // t} "
-                        f"heads and {spec.kv_heads // t} key/value heads per tensor-parallel rank")
-    if e > 1 and (not spec.moe or spec.n_experts % e or d % e):
-        problems.append(f"ep={e} needs a mixture of experts whose {spec.n_experts} experts it divides, and dp={d} "
-                        "a multiple of it (experts are split inside the data-parallel group)")
-    if problems:
-        raise ValueError(f"layout {lay} cannot run: " + "; ".join(problems))
-
-
-# ---------------------------------------------------------------------------------
 # one layout
 
 
@@ -171,7 +104,7 @@ def predict(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int
             hbm_efficiency: float = FITTED["hbm"]) -> Estimate:
     """The costs of one layout: on its busiest GPU, or (stage=k) on a GPU of pipeline stage k.
     Options as plan's; recipe: a name of memory.TRAINING_RECIPES or a memory.Recipe."""
-    _check_options(cluster, efficiency, overlap, reserve_gib, attention)
+    check_options(cluster, efficiency, overlap, reserve_gib, attention)
     check_layout(spec, cluster, layout, global_batch)
     if stage is not None and not 0 <= stage < layout.pp:
         raise ValueError(f"stage must be in 0..{layout.pp - 1}, got {stage}")
@@ -218,7 +151,7 @@ def _candidate_rows(spec: ModelSpec, cluster: Cluster, global_batch: int, *, dp=
                     sequence_parallel=(False, True), micro_batches=None, max_micro_batch=16,
                     virtual_stages=None, cp_methods=CP_METHODS, offload=(False,), tp_overlap=(False, True),
                     tp_within_node: bool = False, attention: str = "flash") -> list[tuple]:
-    _check_batch(global_batch)
+    check_batch(global_batch)
     n, g, L, s = cluster.n_gpus, cluster.gpus_per_node, spec.n_layer, spec.seq_len
     fixed = lambda value, size: value is None or value == size  # noqa: E731
     if attention == "flash" and None in recompute:  # FlashAttention keeps no scores: selective is no recomputation
@@ -325,7 +258,7 @@ def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_
     fractions of the links' and of HBM's bandwidth reached (fitted, shardlib/plan/fitted.py). `choices` narrow the enumeration (candidate_layouts). Raises
     NoLayoutFits, naming the smallest memory any layout needs, when none fits.
     """
-    _check_options(cluster, efficiency, overlap, reserve_gib, attention)
+    check_options(cluster, efficiency, overlap, reserve_gib, attention)
     rows = _candidate_rows(spec, cluster, global_batch, attention=attention, **choices)
     if not rows:
         raise ValueError(f"no layout of {cluster.n_gpus} GPUs can run {spec.name} with a global batch of "
