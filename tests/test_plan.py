@@ -456,7 +456,8 @@ def test_matmul_curve_quantizes_tiles_and_waves():
     # tensor parallelism narrows every product: a 7B layer's QKV product split 8 ways (4096 tokens) is 16 x 12 = 192
     # tiles, 2 waves of an H100's 132 SMs, 73% full; whole, 1536 tiles fill 12 waves to 97%
     h100 = Cluster.of(8, gpu="h100")
-    rate = lambda t: 2 * 4096 * (3 * 4096 // t) * 4096 / float(matmul_seconds(4096, 3 * 4096 // t, 4096, h100, 1, 1))  # noqa
+    rate = lambda t: 2 * 4096 * (3 * 4096 // t) * 4096 / float(  # noqa: E731
+        matmul_seconds(4096, 3 * 4096 // t, 4096, h100, 1, 1))
     assert rate(8) / rate(1) == pytest.approx((192 / 264) / (1536 / 1584))
 
 
@@ -628,7 +629,7 @@ def test_no_model_size_or_batch_crashes_the_planner():
         assert math.isfinite(e.step_s) and math.isfinite(e.memory_bytes) and e.step_s > 0, global_batch
     assert 6 * ten_t.psi * 2**30 * ten_t.seq_len > 2**64
     gpt3 = ModelSpec.preset("gpt3-175b")
-    big = plan(gpt3, Cluster.of(1024), 1_048_576, tp=8, max_micro_batch=2)  # far past ~8,600 sequences (once overflowed)
+    big = plan(gpt3, Cluster.of(1024), 1_048_576, tp=8, max_micro_batch=2)  # far past ~8,600 sequences: once overflowed
     assert math.isfinite(big.best.step_s)
     with pytest.raises(NoLayoutFits):
         plan(ten_t, Cluster.of(64), 64)

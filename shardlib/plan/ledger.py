@@ -28,7 +28,8 @@ from shardlib.plan.rules import check_layout, check_options
 
 
 def per_gpu(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int, *, stage: int = 0,
-            recipe="mixed_adam", efficiency: float | None = None, overlap: bool = True, attention: str = "flash") -> dict:
+            recipe="mixed_adam", efficiency: float | None = None, overlap: bool = True,
+            attention: str = "flash") -> dict:
     """One GPU of pipeline stage `stage`: its memory by kind and its collectives one by one (module docstring)."""
     check_options(cluster, efficiency, overlap, 0.0, attention)
     check_layout(spec, cluster, layout, global_batch)

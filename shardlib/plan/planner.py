@@ -100,8 +100,8 @@ def _layout(row: tuple) -> Layout:
 
 def predict(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int, *, recipe="mixed_adam",
             efficiency: float | None = None, overlap: bool = True, attention: str = "flash",
-            stage: int | None = None, reserve_gib: float = 0.0, link_efficiency: tuple = (FITTED["nvlink"], FITTED["network"]),
-            hbm_efficiency: float = FITTED["hbm"]) -> Estimate:
+            stage: int | None = None, reserve_gib: float = 0.0,
+            link_efficiency: tuple = (FITTED["nvlink"], FITTED["network"]), hbm_efficiency: float = FITTED["hbm"]) -> Estimate:
     """The costs of one layout: on its busiest GPU, or (stage=k) on a GPU of pipeline stage k.
     Options as plan's; recipe: a name of memory.TRAINING_RECIPES or a memory.Recipe."""
     check_options(cluster, efficiency, overlap, reserve_gib, attention)
@@ -244,19 +244,19 @@ class Plan:
 
 def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_adam",
          efficiency: float | None = None, overlap: bool = True, attention: str = "flash",
-         reserve_gib: float = 0.0, link_efficiency: tuple = (FITTED["nvlink"], FITTED["network"]), hbm_efficiency: float = FITTED["hbm"],
-         **choices) -> Plan:
+         reserve_gib: float = 0.0, link_efficiency: tuple = (FITTED["nvlink"], FITTED["network"]),
+         hbm_efficiency: float = FITTED["hbm"], **choices) -> Plan:
     """Enumerate the layouts, predict each, rank those that fit by step time (then memory).
 
     recipe: bytes per parameter of the model states (memory.TRAINING_RECIPES); efficiency: the
     fraction of the GPU's measured matmul ceiling its products reach (default: the cluster's fitted
-    matmul_fraction); overlap:
-    overlap data-parallel communication with compute, as PyTorch's DDP and FSDP and Megatron's
-    --overlap-grad-reduce do (default), paying the overlap rule of shardlib/plan/links.py; attention:
-    "flash" (FlashAttention, default) or "unfused" (the scores written out, as Megatron-LM in 2021-22);
-    reserve_gib: memory per GPU kept free; link_efficiency (inside a node, across), hbm_efficiency: the
-    fractions of the links' and of HBM's bandwidth reached (fitted, shardlib/plan/fitted.py). `choices` narrow the enumeration (candidate_layouts). Raises
-    NoLayoutFits, naming the smallest memory any layout needs, when none fits.
+    matmul_fraction); overlap: overlap data-parallel communication with compute, as PyTorch's DDP and FSDP
+    and Megatron's --overlap-grad-reduce do (default), paying the overlap rule of shardlib/plan/links.py;
+    attention: "flash" (FlashAttention, default) or "unfused" (the scores written out, as Megatron-LM in
+    2021-22); reserve_gib: memory per GPU kept free; link_efficiency (inside a node, across),
+    hbm_efficiency: the fractions of the links' and of HBM's bandwidth reached (fitted,
+    shardlib/plan/fitted.py). `choices` narrow the enumeration (candidate_layouts). Raises NoLayoutFits,
+    naming the smallest memory any layout needs, when none fits.
     """
     check_options(cluster, efficiency, overlap, reserve_gib, attention)
     rows = _candidate_rows(spec, cluster, global_batch, attention=attention, **choices)

@@ -203,9 +203,10 @@ def _llama3(n_gpus: int, cp: int, mfu: float) -> PublishedRun:
     return PublishedRun(
         f"Llama 3 405B, {n_gpus:,} GPUs, cp {cp}", spec, Cluster.of(n_gpus, **H100), layout, batch, "mixed_adam",
         f"BF16 MFU {mfu:.0%}" + ("" if step else " (memory only)"), step, "arXiv 2407.21783, Table 4 and Sec. 3.3",
-        search=SOFTWARE["llama3"], assumed="micro-batch 1; v = 8, one layer per chunk (Sec. 3.3.2: the first chunk of the first stage holds only "
-                "the embedding); sequence parallel, no TP overlap; FSDP sharding optimizer states and gradients as "
-                "ZeRO-2 with 16-bit gradients; MFU read as 6 Psi + 12 L s h per token", gpu="h100")
+        search=SOFTWARE["llama3"], gpu="h100",
+        assumed="micro-batch 1; v = 8, one layer per chunk (Sec. 3.3.2: the first chunk of the first stage holds "
+                "only the embedding); sequence parallel, no TP overlap; FSDP sharding optimizer states and gradients "
+                "as ZeRO-2 with 16-bit gradients; MFU read as 6 Psi + 12 L s h per token")
 
 
 def _nemotron4() -> PublishedRun:

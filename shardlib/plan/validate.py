@@ -36,7 +36,8 @@ def published_estimate(run: PublishedRun, **constants):
                    sequence_parallel=(lay.sequence_parallel,), cp_methods=(lay.cp_method,),
                    micro_batches=free.get("micro_batch", (lay.micro_batch,)),
                    virtual_stages=free["virtual_stages"] if "virtual_stages" in free else (lay.virtual_stages,),
-                   recompute=free.get("recompute", (lay.recompute,)), tp_overlap=free.get("tp_overlap", (lay.tp_overlap,)))
+                   recompute=free.get("recompute", (lay.recompute,)),
+                   tp_overlap=free.get("tp_overlap", (lay.tp_overlap,)))
     try:
         return plan(run.spec, run.cluster, run.global_batch, **options, **choices).best
     except NoLayoutFits as error:
@@ -54,7 +55,8 @@ def validate(run: PublishedRun, rank: bool = True, **constants) -> dict:
     if rank and e.fits and run.step_s:  # memory-only runs (FP8 products, or no step time) are not ranked
         result = plan(run.spec, run.cluster, run.global_batch, **_options(run, constants), **run.search)
         place, found = result.find(e.layout)
-        row.update(rank=place, best=str(result.best.layout), gap=found.step_s / result.best.step_s - 1 if found else None)
+        gap = found.step_s / result.best.step_s - 1 if found else None
+        row.update(rank=place, best=str(result.best.layout), gap=gap)
         if place != 1:
             row["deciding"] = result.explain(against=e.layout).splitlines()[-1]
     return row
