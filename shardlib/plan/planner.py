@@ -101,7 +101,8 @@ def _layout(row: tuple) -> Layout:
 def predict(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int, *, recipe="mixed_adam",
             efficiency: float | None = None, overlap: bool = True, attention: str = "flash",
             stage: int | None = None, reserve_gib: float = 0.0,
-            link_efficiency: tuple = (FITTED["nvlink"], FITTED["network"]), hbm_efficiency: float = FITTED["hbm"]) -> Estimate:
+            link_efficiency: tuple = (FITTED["nvlink"], FITTED["network"]),
+            hbm_efficiency: float = FITTED["hbm"]) -> Estimate:
     """The costs of one layout: on its busiest GPU, or (stage=k) on a GPU of pipeline stage k.
     Options as plan's; recipe: a name of memory.TRAINING_RECIPES or a memory.Recipe."""
     check_options(cluster, efficiency, overlap, reserve_gib, attention)

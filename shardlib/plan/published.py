@@ -1,11 +1,12 @@
 """Published training runs the planner is held against: what ran, on what, and how long a step took.
 
-Two sets, never mixed. TRAINING_RUNS fix the cost model's three free constants (cost.FITTED, by fit());
-HELD_OUT_RUNS are used for nothing but the error they report. Every figure is the source's; what a source
-does not publish is either chosen by the planner among the settings the source allows (`free`: the best
-that fits, said in the table) or assumed and said (`assumed`).
+Two sets, never mixed. training_runs() fix the cost model's free constants (shardlib/plan/fitted.py, by
+shardlib.plan.validate.fit()); held_out_runs() are used for nothing but the error they report. Every
+figure is the source's; what a source does not publish is either chosen by the planner among the
+settings the source allows (`free`: the best that fits, said in the table) or assumed and said
+(`assumed`). `search` narrows the ranking to what the run's software could do (SOFTWARE).
 
-TRAINING_RUNS
+training_runs()
 - Megatron-LM, Narayanan et al., arXiv 2104.04473, Table 1 (also the repository's images/cases_april2021.png):
   ten GPT models, 1.7B to 1T, on 32 to 3,072 A100 80GB of Selene (DGX A100: NVLink, 8 x 200 Gb/s HDR
   InfiniBand per node), s = 2,048, V = 51,200, fp16, full recomputation. Micro-batch, virtual stages and
@@ -19,7 +20,7 @@ TRAINING_RUNS
   arguments.py). Published: TFLOP/s per GPU by Megatron's num_floating_point_operations (no recomputation
   counted). Micro-batch, virtual stages and recomputation are not published: free.
 
-HELD_OUT_RUNS
+held_out_runs()
 - GPT-3 175B on 1,024 A100 (Megatron-LM README, January 2021, and examples/pretrain_gpt3_175B.sh): t 8, p 16,
   micro-batch 1, batch 1,536, fp16, full recomputation; "each iteration takes around 32 seconds resulting in
   138 teraFLOPs per GPU"; step from the TFLOP/s by eq. 3.
@@ -30,7 +31,7 @@ HELD_OUT_RUNS
   between them), t 8, c 1 or 16, p 16, 2,048 (or 128) sequences per batch; BF16 MFU 43%, 41%, 38% of 989
   TFLOP/s, model FLOPs read as 6 Psi + 12 L s h per token; no activation checkpointing at 8k (Sec. 3.3.2),
   FlashAttention; FSDP sharding the optimizer states and gradients (ZeRO-2 inside the pipeline: marked, see
-  planner.caveats). Not published: the micro-batch (1 assumed) and the virtual stages (8: Sec. 3.3.2 has the
+  Layout.caveats). Not published: the micro-batch (1 assumed) and the virtual stages (8: Sec. 3.3.2 has the
   first chunk of the first stage hold only the embedding, chunks of one layer). At 131k tokens the step time
   is not derived (how the MFU counts causal attention changes it 1.4 x): memory only.
 - Nemotron-4 340B, arXiv 2406.11704, Table 2 (quoted at https://aiportalx.com/nvidia/nemotron-4-340b): the

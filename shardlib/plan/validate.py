@@ -81,8 +81,8 @@ def _loss(runs, constants) -> float:
 
 
 def fit(runs: list[PublishedRun] | None = None, rounds: int = 3, step: float = 0.04) -> dict:
-    """The free constants (shardlib/plan/fitted.py) that minimise the squared log error of step time on `runs` (default: the
-    training set), by coordinate descent on a shrinking grid within (0.3, 1]."""
+    """The free constants (shardlib/plan/fitted.py) that minimise the squared log error of step time on
+    `runs` (default: the training set), by coordinate descent on a shrinking grid within (0.3, 1]."""
     runs = [r for r in (runs or training_runs()) if r.step_s]
     best = dict(FITTED)
     current = _loss(runs, best)
@@ -115,7 +115,7 @@ def format_table(rows: list[dict]) -> str:
 def report(rank: bool = True) -> str:
     """Both sets, their summaries, and for every run whose layout is not the planner's pick, what decides it."""
     out = []
-    for title, runs in (("training set (fits cost.FITTED)", training_runs()), ("held-out set", held_out_runs())):
+    for title, runs in (("training set (fits shardlib/plan/fitted.py)", training_runs()), ("held-out set", held_out_runs())):
         rows = table(runs, rank)
         s = summary(rows)
         out += [title, format_table(rows),
