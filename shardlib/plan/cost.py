@@ -31,9 +31,11 @@ micro-batch (forward + backward + exposed TP, CP, EP) on the slowest stage:
   TP            per micro-batch and layer 4 all-reduces of b (s/c) h (2 forward, 2 backward; arXiv
                 1909.08053), 6 with full recomputation; one for the embedding, one for the output layer, 3
                 of b s/c fp32 numbers for the vocabulary-parallel loss; with sequence parallelism the same
-                bytes as all-gathers and reduce-scatters, and one all-reduce of the replicated weights'
-                gradients. On the critical path, unless tp_overlap: then each pass's collectives hide behind
-                that pass's products by the overlap rule (shardlib/plan/links.py).
+                bytes as all-gathers and reduce-scatters, one all-reduce of the replicated weights' gradients,
+                and in backward 2 all-gathers per layer (1 for the output head) of the sequence shards the
+                column layers kept, beside their data-gradient products (Megatron-LM's; shardlib/parallel/
+                sequence.py). On the critical path, unless tp_overlap: then each pass's collectives hide
+                behind that pass's products by the overlap rule (shardlib/plan/links.py).
   CP            ring attention: each layer forward sends the local K, V block c-1 times (arXiv 2310.01889),
                 backward K, V again (c-1) and dK, dV round the whole ring (c); hidden behind the attention
                 core by the overlap rule. Ulysses: 4 all-to-alls per pass of (c-1)/c of q, k, v, out

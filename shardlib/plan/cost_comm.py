@@ -72,13 +72,18 @@ def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, o
     out.append(Collective("tp", "all_reduce", tokens * 4.0, m * 3 * last, tp_ring))  # the loss, fp32
     replicated = spec.stage_params(first, last, layers)[1] * eg
     out.append(Collective("tp", "all_reduce", replicated, c.sp, tp_ring))  # SP: replicated weights' gradients
+    # SP keeps each column layer's input as its sequence shard and all-gathers it again in backward, beside the
+    # data-gradient product (Megatron-LM; shardlib/parallel/sequence.py): 2 per layer, 1 for the output head
+    regathers = c.sp * (2 * layers + last)
+    out.append(Collective("tp", "all_gather", bsh, m * regathers, tp_ring))
+    regather_s = exposed(regathers * tp_ring.time("all_gather", bsh), layers * one["gemm_bwd"] / 2)
     tp_pass = per_pass * tp_ring.time("all_reduce", bsh)
     tp_ends = (first + last) * tp_ring.time("all_reduce", bsh) + last * 3 * tp_ring.time("all_reduce", tokens * 4.0)
     overlapped = c.tp_overlap > 0
     fwd_hidden = exposed(tp_pass, layers * one["gemm_fwd"])
     bwd_hidden = exposed(tp_pass, layers * one["gemm_bwd"])
     tp_s = torch.where(overlapped, fwd_hidden * (1 + full) + bwd_hidden, tp_pass * (2 + full)) + tp_ends
-    tp_s = tp_s + c.sp * tp_ring.time("all_reduce", replicated) / m  # once a step, spread over the micro-batches
+    tp_s = tp_s + regather_s + c.sp * tp_ring.time("all_reduce", replicated) / m  # that last once a step
     tp_busy = torch.where(overlapped, tp_pass - fwd_hidden, 0.0)  # NVLink time hidden behind each pass
 
     # -- context parallelism ---------------------------------------------------------------------
