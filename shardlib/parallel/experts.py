@@ -118,8 +118,9 @@ def dispatch(x: torch.Tensor, routing: Routing) -> torch.Tensor:
     E, c = routing.probs.shape[-1], routing.capacity
     k = routing.experts.shape[-1]
     kept = routing.kept.reshape(-1)  # (B s k,)
-    tokens = x.unsqueeze(2).expand(B, s, k, h).reshape(-1, h)[kept]  # (kept assignments, h)
-    buffer = x.new_zeros(E * B * c, h).index_add(0, _buffer_index(routing).reshape(-1)[kept], tokens)
+    tokens = x.unsqueeze(2).expand(B, s, k, h).reshape(-1, h).masked_fill(~kept.unsqueeze(1), 0.0)  # (B s k, h)
+    # a dropped assignment adds zeros (to row 0, its index): no shape depends on the routing, so meta tensors run
+    buffer = x.new_zeros(E * B * c, h).index_add(0, _buffer_index(routing).reshape(-1), tokens)
     return buffer.view(E, B * c, h)
 
 
