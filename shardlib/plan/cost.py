@@ -24,9 +24,10 @@ Memory of a GPU of stage k:
                 recomputation keeps 2 s b h (the layer input), and holds, during backward, all the
                 activations of the one layer it recomputes. FlashAttention (arXiv 2205.14135) never
                 stores the scores and recomputes them in backward: count it as selective.
-                Times the layers and the micro-batches stage k holds: min(p - k, m) with 1F1B, times
-                (1 + (p-1)/(p v)) when interleaved (arXiv 2205.05198, Sec. 4.2.3). The last stage adds
-                its fp32 logits, 4 s b V / t.
+                Times the layers and the micro-batches stage k holds: min(p - k, m) with 1F1B;
+                interleaved, min(2(p-k-1) + (v-1)p + 1, v m) chunk-micro-batches of 1/v of the stage each
+                (Megatron-LM's warm-up, shardlib/parallel/schedules.py), p + (p-1)/v on the first stage
+                (arXiv 2205.05198, Sec. 4.2.3). The last stage adds its fp32 logits, 4 s b V / t.
   buffers       ZeRO-3 gathers the 16-bit parameters of at most two layers at a time (FSDP's rate
                 limiter, arXiv 2304.11277).
 
@@ -325,7 +326,8 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, rec
     offload = c.offload > 0
     by_mode = [_layer_activations(spec, c, mode) for mode in range(3)]
     per_layer = torch.where(c.recompute == 0, by_mode[0], torch.where(c.recompute == 1, by_mode[1], by_mode[2]))
-    in_flight = torch.minimum(p - k, m) * torch.where(v > 1, 1 + (p - 1) / (p * v), 1.0)
+    in_flight = torch.where(v > 1, torch.minimum(2 * (p - k - 1) + (v - 1) * p + 1, v * m) / v,
+                            torch.minimum(p - k, m))  # micro-batches of activations stage k holds at most
     recomputing = torch.where(c.recompute == 2, by_mode[0], 0.0)  # the layer being recomputed
     activations = (layers * per_layer * in_flight + recomputing) * e / 2 + last * 4 * tokens * V / t  # + fp32 logits
     layer_split, layer_replicated = spec.layer_params()
