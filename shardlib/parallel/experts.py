@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from shardlib.comm import ops
 
-__all__ = ["Routing", "route", "expert_capacity", "load_balancing_loss", "dispatch", "combine", "expert_mlp",
+__all__ = ["Routing", "route", "expert_capacity", "load_balancing_loss", "dispatch", "combine", "expert_mlp", "swiglu",
            "MoE", "ExpertParallelMoE", "parallelize_gpt_experts", "sync_expert_parallel_grads",
            "gather_experts", "expert_parallel_sent_bytes", "moe_parameters_per_rank"]
 
@@ -133,12 +133,33 @@ def combine(buffer: torch.Tensor, routing: Routing) -> torch.Tensor:
     return (picked * weights).sum(2)  # (B, s, h)
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up keeping only gate and up for backward, silu recomputed there (Megatron-LM's fused
+    SwiGLU does the same): 4 bytes per 16-bit hidden value where the separate ops keep 6."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        return grad * up * sig * (1 + gate * (1 - sig)), grad * gate * sig  # d silu(g)/dg = s (1 + g (1 - s))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated linear unit of Llama and Mixtral (Shazeer, arXiv 2002.05202): silu(gate) * up, (.., f) each."""
+    return _SwiGLU.apply(gate, up)
+
+
 def expert_mlp(buffer, w1, b1, w2, b2, w3=None) -> torch.Tensor:
     """Expert e's MLP on its rows: (E', n, h) -> GELU((E', n, h) @ (E', h, f)) @ (E', f, h) -> (E', n, h);
-    with w3, gated as Mixtral's experts (arXiv 2401.04088, SwiGLU, no biases): (silu(x w1) * x w3) w2."""
+    with w3, gated as Mixtral's experts (arXiv 2401.04088, SwiGLU, no biases): swiglu(x w1, x w3) w2."""
     if w3 is None:
         return torch.baddbmm(b2.unsqueeze(1), F.gelu(torch.baddbmm(b1.unsqueeze(1), buffer, w1)), w2)
-    return torch.bmm(F.silu(torch.bmm(buffer, w1)) * torch.bmm(buffer, w3), w2)  # (E', n, f) -> (E', n, h)
+    return torch.bmm(swiglu(torch.bmm(buffer, w1), torch.bmm(buffer, w3)), w2)  # (E', n, f) -> (E', n, h)
 
 
 # ---------------------------------------------------------------------------------
