@@ -19,8 +19,16 @@ Memory of a GPU of stage k:
   activations   per layer and micro-batch, 16-bit (Korthikanti et al., arXiv 2205.05198, Sec. 4):
                 s b h (34 + 5 a s/h) at t = 1: 10 s b h outside the tensor-parallel regions (divided by
                 t with sequence parallelism), 24 s b h + 5 a s^2 b inside (divided by t); with context
-                parallelism all of it / c. MoE layers keep the MLP's 16 s b h once per routed copy
-                (top_k x capacity factor). Selective recomputation drops the 5 a s^2 b scores, full
+                parallelism all of it / c. Term by term: outside, the 2 LayerNorms' inputs 4, the q/k/v
+                and MLP inputs 2 + 2, the 2 dropout masks 1 + 1; inside, q, k, v and the output
+                projection's input 8, the MLP's GeLU input and output 2 s b f each (16 at f = 4h); gated
+                (SwiGLU, fused as Megatron-LM's kernel and shardlib.models.swiglu: silu recomputed in
+                backward) gate and up 4 s b f and their product 2 s b f; the scores' softmax 2 a s^2 b, its
+                dropout mask and output 3 a s^2 b.
+                Without dropout (Llama) the masks and the dropout output are not kept. A MoE layer
+                (shardlib/parallel/experts.py) keeps per token choice its dispatched copy and its
+                combined output (2 + 2 s b h) and per expert place (top_k x capacity factor per token)
+                the expert's input 2 s b h and its MLP. Selective recomputation drops the scores, full
                 recomputation keeps 2 s b h (the layer input), and holds, during backward, all the
                 activations of the one layer it recomputes. FlashAttention (arXiv 2205.14135) never
                 stores the scores and recomputes them in backward: count it as selective.
@@ -93,8 +101,10 @@ from shardlib.plan.model import ModelSpec
 # within 10% (tests/test_plan.py prints the table). The old default, 0.5, was the end-to-end 52%
 # of that paper's abstract applied to the matrix products alone, so communication counted twice.
 DEFAULT_EFFICIENCY = 0.67
-OUTSIDE_TP = 10  # of the 34 s b h: kept whole on every TP rank unless sequence parallel (arXiv 2205.05198)
-MLP_INSIDE_TP = 16  # of the 24 s b h inside the TP regions: the MLP's (8 + 8: GeLU input and output)
+OUTSIDE_TP = 8  # of the 34 s b h, kept whole on every TP rank unless sequence parallel (arXiv 2205.05198): the
+# LayerNorms' inputs 4, the q/k/v and MLP inputs 2 + 2; and with dropout its two masks, DROPOUT_MASKS
+DROPOUT_MASKS = 2
+ATTENTION_INSIDE_TP = 8  # q, k, v and the output projection's input, inside the TP region
 KEPT_FULL = 2  # full recomputation keeps the layer input, 2 s b h
 
 
@@ -235,11 +245,19 @@ def _layer_activations(spec: ModelSpec, c: Layouts, mode: int):
     sbh = c.micro_batch * (spec.seq_len / c.cp) * spec.hidden  # local tokens x h
     if mode == 2:
         return KEPT_FULL * sbh / torch.where(sp > 0, t, 1.0)
-    mlp_copies = spec.top_k * spec.capacity_factor if spec.moe else 1.0
-    inside = (24 - MLP_INSIDE_TP + MLP_INSIDE_TP * mlp_copies) * sbh
-    scores = 5.0 * spec.n_head * spec.seq_len * sbh / spec.hidden if mode == 0 else 0.0  # 5 a s^2 b / c
-    outside = OUTSIDE_TP * sbh
+    dropout = spec.dropout > 0
+    inside = (ATTENTION_INSIDE_TP + _mlp_activations(spec)) * sbh
+    scores = (2.0 + 3.0 * dropout) * spec.n_head * spec.seq_len * sbh / spec.hidden if mode == 0 else 0.0  # a s^2 b / c
+    outside = (OUTSIDE_TP + DROPOUT_MASKS * dropout) * sbh
     return torch.where(sp > 0, outside / t, outside) + (inside + scores) / t
+
+
+def _mlp_activations(spec: ModelSpec) -> float:
+    """What one layer's MLP (or MoE) keeps inside the tensor-parallel region, in units of s b h bytes (16-bit)."""
+    mlp = (6.0 if spec.gated_mlp else 4.0) * spec.ffn / spec.hidden  # 2 s b f GeLU in and out; gated 4 + 2
+    if not spec.moe:
+        return mlp
+    return 4.0 * spec.top_k + spec.top_k * spec.capacity_factor * (2.0 + mlp)  # choices; expert places
 
 
 def _layer_traffic(spec: ModelSpec, c: Layouts):
