@@ -3,9 +3,10 @@
 shardlib.plan.predict(spec, cluster, layout, global_batch, stage=k) gives the memory and the bytes
 sent of a GPU of pipeline stage k, from the formulas of shardlib/plan/cost.py; the simulation gives
 the same quantities from the tensors and calls the code made (run.py). Both describe one layout, so
-their ratio says which formula, or which piece of code, is off. Attention runs as FlashAttention
-in the simulation (meta.py), which keeps no s x s scores: the planner counts that as selective
-recomputation (its own rule, cost.py), so a layout without recomputation is predicted as "selective".
+their ratio says which formula, or which piece of code, is off. With attention="flash" (meta.py)
+no s x s scores are kept: the planner counts FlashAttention as selective recomputation (its own
+rule, cost.py), so a layout without recomputation is predicted as "selective"; "eager" attention
+keeps them, as the planner's no-recomputation formula does.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Comparison:
 def planner_layout(sim: Simulation):
     """The layout as the planner is told it: FlashAttention counted as selective recomputation."""
     layout = sim.layout
-    return replace(layout, recompute=layout.recompute or "selective")
+    return replace(layout, recompute=layout.recompute or "selective") if sim.attention == "flash" else layout
 
 
 def compare(sim: Simulation, *, gpus_per_node: int = 8) -> list[Comparison]:

@@ -17,20 +17,20 @@ piece is the course's code for its technique:
     recomputation  "full": each layer through shardlib.parallel.recompute.recompute (keeps its input)
 
 Sizes a technique cannot split are refused with what to change. The vocabulary is padded up to a
-multiple of t, as Megatron-LM pads it (--make-vocab-size-divisible-by). Rotary embeddings (no
-parameters) and dropout are left out; the load-balancing loss of a mixture of experts too.
+multiple of t, as Megatron-LM pads it (--make-vocab-size-divisible-by). Dropout, when the spec has
+it, follows the attention and the MLP and acts inside the attention. Rotary embeddings (no
+parameters) are left out, and so is the load-balancing loss of a mixture of experts.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from shardlib.models import GPTConfig
 from shardlib.parallel.context import SequenceLayout, check_context_parallel
 from shardlib.parallel.context_gpt import context_parallel_attention
-from shardlib.parallel.experts import MoE, ExpertParallelMoE
+from shardlib.parallel.experts import ExpertParallelMoE, MoE, swiglu
 from shardlib.parallel.pipeline import balanced_split
 from shardlib.parallel.recompute import recompute
 from shardlib.parallel.tensor import ColumnParallelLinear, RowParallelLinear, enter_tp_region, shard_parameter
@@ -48,7 +48,8 @@ def padded_vocab(spec: ModelSpec, t: int) -> int:
 
 def _config(spec: ModelSpec, t: int) -> GPTConfig:
     return GPTConfig(vocab_size=padded_vocab(spec, t), seq_len=spec.n_positions or spec.seq_len,
-                     n_layer=spec.n_layer, n_head=spec.n_head, n_embd=spec.hidden, n_kv_head=spec.n_kv_head)
+                     n_layer=spec.n_layer, n_head=spec.n_head, n_embd=spec.hidden, n_kv_head=spec.n_kv_head,
+                     dropout=spec.dropout)  # attention dropout, inside the attention kernel
 
 
 def _norm(spec: ModelSpec) -> nn.Module:
@@ -56,7 +57,8 @@ def _norm(spec: ModelSpec) -> nn.Module:
 
 
 class GatedParallelMLP(nn.Module):
-    """SwiGLU under tensor parallelism: (B, T, C) -> fc (B, T, 2f/t) -> silu(gate) * up (B, T, f/t) -> (B, T, C)."""
+    """SwiGLU under tensor parallelism: (B, T, C) -> fc (B, T, 2f/t) -> silu(gate) * up (B, T, f/t) -> (B, T, C).
+    Gate and up are one column-parallel linear (Megatron-LM fuses them too): one f for both."""
 
     def __init__(self, hidden: int, ffn: int, bias: bool, *, group, sequence_parallel: bool):
         super().__init__()
@@ -65,7 +67,7 @@ class GatedParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fc(x).chunk(2, dim=-1)  # (B, T, f/t) each: this rank's gate and up columns
-        return self.proj(F.silu(gate) * up)
+        return self.proj(swiglu(gate, up))  # keeps gate and up (one storage); silu recomputed in backward
 
 
 class ContextParallelAttention(nn.Module):
@@ -129,6 +131,8 @@ def build_layer(spec: ModelSpec, t: int, groups, *, sequence_parallel: bool, lay
             param.sequence_parallel = True
     if layout is not None:
         block.attn = ContextParallelAttention(attn, layout, group=groups.cp, method=cp_method)
+    if spec.dropout > 0:  # x + dropout(attn(norm(x))), x + dropout(mlp(norm(x))): Megatron-LM's bias-dropout-add
+        block.attn, block.mlp = (nn.Sequential(m, nn.Dropout(spec.dropout)) for m in (block.attn, block.mlp))
     return block
 
 

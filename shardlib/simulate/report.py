@@ -22,7 +22,7 @@ def _where(sim: Simulation) -> str:
     c = sim.coords
     place = ", ".join(f"{k} {c[k]}" for k in ("pp", "dp", "cp", "tp") if getattr(sim.layout, k) > 1) or "alone"
     layers = "; ".join(f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in sim.layers)
-    return (f"{sim.spec.name}, {sim.layout}, rank {sim.rank} of {sim.layout.n_gpus} ({place}): "
+    return (f"{sim.spec.name}, {sim.layout}, {sim.attention} attention, rank {sim.rank} of {sim.layout.n_gpus} ({place}): "
             f"{sim.n_micro} micro-batches of {sim.layout.micro_batch}, layers {layers}")
 
 
@@ -53,7 +53,8 @@ def format_report(sim: Simulation, comparisons: list[Comparison] | None = None) 
 
 def as_dict(sim: Simulation, comparisons: list[Comparison] | None = None) -> dict:
     rows = comparisons if comparisons is not None else compare(sim)
-    return {"model": sim.spec.name, "layout": str(sim.layout), "rank": sim.rank, "coords": sim.coords,
+    return {"model": sim.spec.name, "layout": str(sim.layout), "attention": sim.attention, "rank": sim.rank,
+            "coords": sim.coords,
             "global_batch": sim.global_batch, "micro_batches": sim.n_micro, "layers": sim.layers,
             "model_states": sim.model_states, "activation_peak": sim.activation_peak,
             "activation_peak_where": str(sim.activation_peak_where), "peak": sim.peak,

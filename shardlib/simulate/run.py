@@ -43,6 +43,7 @@ class Simulation:
     layout: Layout
     rank: int
     global_batch: int
+    attention: str  # "flash" or "eager"
     coords: dict  # pp, dp, cp, tp, ep indices
     n_micro: int  # m: micro-batches per step
     layers: list[list[int]]  # each chunk's layers
@@ -94,9 +95,10 @@ def _schedule(layout: Layout):
     return "1f1b"
 
 
-def simulate(spec: ModelSpec, layout: Layout, *, rank: int = 0, global_batch: int,
+def simulate(spec: ModelSpec, layout: Layout, *, rank: int = 0, global_batch: int, attention: str = "flash",
              gpus_per_node: int = 8) -> Simulation:
     """Run rank `rank`'s step of `layout` (shardlib.plan.Layout) for `spec` with `global_batch` sequences.
+    attention: "flash" (as GPUs run it today) or "eager" (scores kept, as before FlashAttention; meta.py).
     Bad layouts are refused with the planner's own checks (check_layout), before anything runs."""
     n = layout.n_gpus
     check_layout(spec, Cluster.of(n, gpus_per_node=min(gpus_per_node, n)), layout, global_batch)
@@ -104,7 +106,7 @@ def simulate(spec: ModelSpec, layout: Layout, *, rank: int = 0, global_batch: in
         raise ValueError("optimizer offload is not simulated: drop offload=True")
     start = time.perf_counter()
     m = global_batch // (layout.dp * layout.micro_batch)
-    with fake_world(rank, n), meta_execution():
+    with fake_world(rank, n), meta_execution(attention, recompute_attention=layout.recompute == "selective"):
         groups, coords = rank_groups(layout, rank), rank_coordinates(layout, rank)
         chunks = build_chunks(spec, layout, coords, groups)
         data_parallel = DataParallel(chunks, layout.zero, groups)
@@ -125,7 +127,7 @@ def simulate(spec: ModelSpec, layout: Layout, *, rank: int = 0, global_batch: in
             data_parallel.step()
             timeline.mark("step")
         records = list(ledger.records)
-    return Simulation(spec, layout, rank, global_batch, coords, m, [[int(i) for i in c.blocks] for c in chunks],
+    return Simulation(spec, layout, rank, global_batch, attention, coords, m, [[int(i) for i in c.blocks] for c in chunks],
                       dict(at_rest, total=sum(at_rest.values())), timeline.activation_peak,
                       timeline.activation_peak_where, timeline.peak, timeline.peak_where, timeline.buffer_peak,
                       records, groups.ranks, timeline.samples, time.perf_counter() - start)
