@@ -35,7 +35,9 @@ Memory of a GPU of stage k:
                 Times the layers and the micro-batches stage k holds: min(p - k, m) with 1F1B;
                 interleaved, min(2(p-k-1) + (v-1)p + 1, v m) chunk-micro-batches of 1/v of the stage each
                 (Megatron-LM's warm-up, shardlib/parallel/schedules.py), p + (p-1)/v on the first stage
-                (arXiv 2205.05198, Sec. 4.2.3). The last stage adds its fp32 logits, 4 s b V / t.
+                (arXiv 2205.05198, Sec. 4.2.3). The last stage adds its output layer's (Sec. 4.3): the
+                final norm's input and the output layer's input, 4 s b h (/ t with sequence
+                parallelism), and the fp32 logits of the loss, 4 s b V / t.
   buffers       ZeRO-3 gathers the 16-bit parameters of at most two layers at a time (FSDP's rate
                 limiter, arXiv 2304.11277).
 
@@ -347,7 +349,9 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, rec
     in_flight = torch.where(v > 1, torch.minimum(2 * (p - k - 1) + (v - 1) * p + 1, v * m) / v,
                             torch.minimum(p - k, m))  # micro-batches of activations stage k holds at most
     recomputing = torch.where(c.recompute == 2, by_mode[0], 0.0)  # the layer being recomputed
-    activations = (layers * per_layer * in_flight + recomputing) * e / 2 + last * 4 * tokens * V / t  # + fp32 logits
+    output_layer = 4 * tokens * h / torch.where(c.sp > 0, t, 1.0)  # the final norm's and the output layer's inputs
+    activations = (layers * per_layer * in_flight + recomputing + last * output_layer) * e / 2 \
+        + last * 4 * tokens * V / t  # + fp32 logits
     layer_split, layer_replicated = spec.layer_params()
     layer_experts = spec.n_experts / ep * (mlp_split / t + mlp_replicated)
     buffers = ((z == 3) & (d * cp > 1)) * 2 * (layer_split / t + layer_replicated + layer_experts) * e
