@@ -20,6 +20,7 @@ data-parallel indices. The groups of one rank:
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from shardlib.plan.inputs import Layout
 __all__ = ["fake_world", "RankGroups", "rank_groups", "rank_coordinates"]
 
 DIMS = ("pp", "dp", "cp", "tp")
+BACKENDS = "cpu:fake,cuda:fake,meta:fake"  # the fake backend for meta tensors too (batched sends look it up)
 
 
 @contextmanager
@@ -43,11 +45,13 @@ def fake_world(rank: int, world_size: int):
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process (a launched rank?): simulate "
                            "from a notebook cell or a script, where no process group exists yet")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    hook = sys.excepthook  # init_process_group prefixes every later traceback with "[rank r]": undone after
+    dist.init_process_group(BACKENDS, store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def rank_coordinates(layout: Layout, rank: int) -> dict[str, int]:
