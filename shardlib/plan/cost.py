@@ -37,7 +37,9 @@ Memory of a GPU of stage k:
                 (Megatron-LM's warm-up, shardlib/parallel/schedules.py), p + (p-1)/v on the first stage
                 (arXiv 2205.05198, Sec. 4.2.3). The last stage adds its output layer's (Sec. 4.3): the
                 final norm's input and the output layer's input, 4 s b h (/ t with sequence
-                parallelism), and the fp32 logits of the loss, 4 s b V / t.
+                parallelism), and the fp32 logits of the loss, 4 s b V / t; under full recomputation
+                the larger of that and the layer being recomputed (the loss's backward frees its
+                tensors before the last layer is recomputed).
   buffers       ZeRO-3 gathers the 16-bit parameters of at most two layers at a time (FSDP's rate
                 limiter, arXiv 2304.11277).
 
@@ -247,7 +249,7 @@ def _layer_activations(spec: ModelSpec, c: Layouts, mode: int):
     sbh = c.micro_batch * (spec.seq_len / c.cp) * spec.hidden  # local tokens x h
     if mode == 2:
         return KEPT_FULL * sbh / torch.where(sp > 0, t, 1.0)
-    dropout = spec.dropout > 0
+    dropout = float(spec.dropout)
     inside = (ATTENTION_INSIDE_TP + _mlp_activations(spec)) * sbh
     scores = (2.0 + 3.0 * dropout) * spec.n_head * spec.seq_len * sbh / spec.hidden if mode == 0 else 0.0  # a s^2 b / c
     outside = (OUTSIDE_TP + DROPOUT_MASKS * dropout) * sbh
@@ -348,10 +350,11 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, rec
     per_layer = torch.where(c.recompute == 0, by_mode[0], torch.where(c.recompute == 1, by_mode[1], by_mode[2]))
     in_flight = torch.where(v > 1, torch.minimum(2 * (p - k - 1) + (v - 1) * p + 1, v * m) / v,
                             torch.minimum(p - k, m))  # micro-batches of activations stage k holds at most
-    recomputing = torch.where(c.recompute == 2, by_mode[0], 0.0)  # the layer being recomputed
-    output_layer = 4 * tokens * h / torch.where(c.sp > 0, t, 1.0)  # the final norm's and the output layer's inputs
-    activations = (layers * per_layer * in_flight + recomputing + last * output_layer) * e / 2 \
-        + last * 4 * tokens * V / t  # + fp32 logits
+    recomputing = torch.where(c.recompute == 2, by_mode[0], 0.0) * e / 2  # the layer being recomputed
+    # the final norm's and the output layer's inputs, and the fp32 logits: freed by the loss's backward before
+    # the last layer is recomputed, so the two never add up
+    output_layer = last * (4 * tokens * h / torch.where(c.sp > 0, t, 1.0) * e / 2 + 4 * tokens * V / t)
+    activations = layers * per_layer * in_flight * e / 2 + torch.maximum(recomputing, output_layer)
     layer_split, layer_replicated = spec.layer_params()
     layer_experts = spec.n_experts / ep * (mlp_split / t + mlp_replicated)
     buffers = ((z == 3) & (d * cp > 1)) * 2 * (layer_split / t + layer_replicated + layer_experts) * e

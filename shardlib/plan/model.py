@@ -56,7 +56,7 @@ class ModelSpec:
     n_experts: int = 0  # mixture of experts: experts per layer (0: a dense MLP)
     top_k: int = 2  # experts each token visits
     capacity_factor: float = 1.0  # expert buffers hold capacity_factor * top_k * tokens / E tokens each
-    dropout: float = 0.1  # residual and attention dropout in training (GPT-2, Megatron-LM: 0.1; Llama: none)
+    dropout: bool = True  # dropout on the scores and the residual branches in training (GPT-2 yes; Llama no)
     n_params: int | None = None
     name: str = "model"
 
@@ -166,7 +166,7 @@ class ModelSpec:
         return cls(config.n_layer, config.n_embd, config.n_head, config.vocab_size, config.seq_len, key_bias=False,
                    n_kv_head=getattr(config, "n_kv_head", None), n_experts=getattr(config, "n_experts", 0) or 0,
                    top_k=getattr(config, "top_k", 2), capacity_factor=getattr(config, "capacity_factor", 1.0),
-                   dropout=getattr(config, "dropout", 0.0), name=name)
+                   dropout=getattr(config, "dropout", 0.0) > 0, name=name)
 
     @classmethod
     def from_hf(cls, config, seq_len: int | None = None, name: str | None = None) -> "ModelSpec":
@@ -202,7 +202,7 @@ class ModelSpec:
             norm="rmsnorm" if "rms_norm_eps" in config else "layernorm", learned_positions=not rotary,
             n_positions=positions, tied_embeddings=bool(get("tie_word_embeddings", default=not gated)),
             n_experts=get("num_local_experts", "num_experts", default=0), top_k=get("num_experts_per_tok", default=2),
-            dropout=get("resid_pdrop", "hidden_dropout", "hidden_dropout_prob", "attention_dropout", default=0.0),
+            dropout=float(get("resid_pdrop", "hidden_dropout", "hidden_dropout_prob", "attention_dropout", default=0)) > 0,
             name=name or config.get("_name_or_path") or config.get("model_type") or "hf-model")
 
     @classmethod
@@ -231,7 +231,7 @@ def _course_gpt() -> ModelSpec:
 
 def _llama(name, layers, hidden, heads, ffn, seq_len, vocab=32000, kv_heads=None) -> ModelSpec:
     return ModelSpec(layers, hidden, heads, vocab, seq_len, ffn_hidden=ffn, n_kv_head=kv_heads, gated_mlp=True,
-                     bias=False, norm="rmsnorm", learned_positions=False, dropout=0.0, name=name)  # no dropout
+                     bias=False, norm="rmsnorm", learned_positions=False, dropout=False, name=name)
 
 
 PRESETS = {
