@@ -40,6 +40,8 @@ from shardlib.plan.model import ModelSpec
 
 __all__ = ["TransformerStage", "build_chunks", "padded_vocab", "layers_of_chunks"]
 
+DROPOUT = 0.1  # when the spec trains with dropout: GPT-2's and Megatron-LM's (--hidden-dropout, --attention-dropout)
+
 
 def padded_vocab(spec: ModelSpec, t: int) -> int:
     """V rounded up to a multiple of t (each tensor-parallel rank holds V/t rows of the embedding)."""
@@ -49,7 +51,7 @@ def padded_vocab(spec: ModelSpec, t: int) -> int:
 def _config(spec: ModelSpec, t: int) -> GPTConfig:
     return GPTConfig(vocab_size=padded_vocab(spec, t), seq_len=spec.n_positions or spec.seq_len,
                      n_layer=spec.n_layer, n_head=spec.n_head, n_embd=spec.hidden, n_kv_head=spec.n_kv_head,
-                     dropout=spec.dropout)  # attention dropout, inside the attention kernel
+                     dropout=DROPOUT if spec.dropout else 0.0)  # on the scores, inside the attention kernel
 
 
 def _norm(spec: ModelSpec) -> nn.Module:
@@ -131,8 +133,8 @@ def build_layer(spec: ModelSpec, t: int, groups, *, sequence_parallel: bool, lay
             param.sequence_parallel = True
     if layout is not None:
         block.attn = ContextParallelAttention(attn, layout, group=groups.cp, method=cp_method)
-    if spec.dropout > 0:  # x + dropout(attn(norm(x))), x + dropout(mlp(norm(x))): Megatron-LM's bias-dropout-add
-        block.attn, block.mlp = (nn.Sequential(m, nn.Dropout(spec.dropout)) for m in (block.attn, block.mlp))
+    if spec.dropout:  # x + dropout(attn(norm(x))), x + dropout(mlp(norm(x))): Megatron-LM's bias-dropout-add
+        block.attn, block.mlp = (nn.Sequential(m, nn.Dropout(DROPOUT)) for m in (block.attn, block.mlp))
     return block
 
 

@@ -126,18 +126,19 @@ class DataParallel:
     # -- what the rank holds --------------------------------------------------------------
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
-        """params, grads, optimizer (Adam's m and v, fp32 masters) and buffers (gathered ZeRO-3 units)."""
+        """params, grads, optimizer (Adam's m and v, fp32 masters) and buffers (gathered ZeRO-3 units): what
+        the wrappers hold, and every parameter and .grad the modules hold besides (storages count once)."""
         states = [t for o in self.torch_optimizers for s in o.state.values() for t in s.values()
                   if isinstance(t, torch.Tensor) and t.is_meta]  # Adam's step counters live on the host
-        if self.zero == 3:  # the units' shards (inside a forward the modules hold gathered views instead)
-            params = [p for u in self.fsdp_units for p in u.pieces]
-            return dict(params=params, grads=[p.grad for p in params if p.grad is not None], optimizer=states,
-                        buffers=[u.flat for u in self.fsdp_units])
+        held = [p for c in self.chunks for p in c.parameters() if p.is_leaf]  # in a ZeRO-3 forward: views, skipped
+        grads = [p.grad for p in held if p.grad is not None]
+        if self.zero == 3:
+            pieces = [p for u in self.fsdp_units for p in u.pieces]
+            return dict(params=held + pieces, grads=grads + [p.grad for p in pieces if p.grad is not None],
+                        optimizer=states, buffers=[u.flat for u in self.fsdp_units])
         if self.zero == 0:
-            params = [p for w, _ in self.wrappers for p in w.params]
             masters = [m for w, _ in self.wrappers for m in w.masters]
-            return dict(params=params, grads=[p.grad for p in params if p.grad is not None],
-                        optimizer=states + masters, buffers=[])
-        held = [w.model_state_tensors() for w, _ in self.wrappers]
-        return dict(params=[t for h in held for t in h["params"]], grads=[t for h in held for t in h["grads"]],
-                    optimizer=[t for h in held for t in h["optimizer"] if t.is_meta], buffers=[])
+            return dict(params=held, grads=grads, optimizer=states + masters, buffers=[])
+        own = [w.model_state_tensors() for w, _ in self.wrappers]
+        return dict(params=held + [t for h in own for t in h["params"]], grads=grads + [t for h in own for t in h["grads"]],
+                    optimizer=[t for h in own for t in h["optimizer"] if t.is_meta], buffers=[])

@@ -63,11 +63,12 @@ class Simulation:
         return self.coords["pp"]
 
     def group_of(self, record: CommRecord) -> str:
-        """Which of this rank's groups a ledger record belongs to."""
+        """Which of this rank's groups a ledger record belongs to (groups of the same ranks: by the call)."""
         if record.kind in ("send", "recv"):
             peer = record.peers[0]
             return next((n for n in ("pp", "cp") if peer in self.group_ranks[n] and len(self.group_ranks[n]) > 1), "?")
-        return next((n for n, ranks in self.group_ranks.items() if ranks == tuple(record.peers)), "?")
+        order = ("ep", "cp") if record.kind == "all_to_all" else ("tp", "dense_dp", "expert_dp", "cp", "ep", "pp")
+        return next((n for n in order if self.group_ranks[n] == tuple(record.peers)), "?")
 
     def by_group(self) -> dict[str, dict[str, dict[str, int]]]:
         """{group: {kind: {calls, bytes, sent_bytes}}} from the ledger."""
