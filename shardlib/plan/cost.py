@@ -58,7 +58,9 @@ micro-batch (forward + backward) on the slowest stage:
   TP            per micro-batch and layer 4 all-reduces of b (s/c) h elements (2 forward, 2 backward;
                 arXiv 1909.08053), 6 with full recomputation; one for the embedding, one for the
                 output layer and 3 of b s/c fp32 numbers for the vocabulary-parallel loss. Sequence
-                parallelism sends the same bytes, plus one all-reduce of the replicated gradients.
+                parallelism sends the same bytes as all-gathers and reduce-scatters, and gathers each
+                column layer's input again in backward, as Megatron-LM does (2 all-gathers a layer, 1 for
+                the output layer), plus one all-reduce of the replicated gradients.
   CP            ring: each layer forward sends the local K, V block c-1 times to the next rank
                 (arXiv 2310.01889), backward the K, V blocks again (c-1) and their gradients dK, dV
                 around the whole ring (c hops, back to their owner: shardlib/parallel/context.py),
@@ -376,9 +378,15 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, rec
 
     # -- tensor, context and expert parallelism, per micro-batch ----------------------
     bsh = tokens * h * e
+    # in all-reduces of b s h: 2 forward and 2 backward per layer (3 and 3 recomputing); sequence parallelism
+    # gathers each column layer's input again in backward (2 all-gathers a layer, 1 for the output layer: half
+    # an all-reduce each), as Megatron-LM keeps only the shard (shardlib/parallel/sequence.py): sent, but
+    # started before the input gradient's product and hidden behind it, so not on the critical path
     tp_calls = layers * torch.where(c.recompute == 2, 6.0, 4.0) + first + last
+    regathers = c.sp * (layers + last / 2)
     loss_bytes = 3 * tokens * 4  # the vocabulary-parallel cross-entropy's three fp32 all-reduces
-    tp_sent = tp_calls * tp_ring.sent("all_reduce", bsh) + last * 3 * tp_ring.sent("all_reduce", loss_bytes / 3)
+    tp_sent = (tp_calls + regathers) * tp_ring.sent("all_reduce", bsh) + last * 3 * tp_ring.sent("all_reduce",
+                                                                                                 loss_bytes / 3)
     tp_s = tp_calls * tp_ring.time("all_reduce", bsh) + last * 3 * tp_ring.time("all_reduce", loss_bytes / 3)
     sp_sent = c.sp * tp_ring.sent("all_reduce", replicated * eg)  # the replicated weights' gradients, once a step
     sp_s = c.sp * tp_ring.time("all_reduce", replicated * eg)
