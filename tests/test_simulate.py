@@ -6,8 +6,8 @@ What is held against what:
 - a rank's model states, activation peak and bytes sent per group against the planner (shardlib.plan),
   for a 1.7B GPT on 16 ranks (Megatron-LM's Table 1 shape, arXiv 2104.04473) and each technique on a
   small model: the two were written apart, from the code and from the formulas;
-- wrong variants of the code (ZeRO-2 that keeps the full gradients; a block that keeps the gathered
-  sequence-parallel input) are flagged where the real code passes;
+- wrong variants of the code (ZeRO-2 that keeps the full gradients; a sequence-parallel block that keeps
+  the gathered input, parallel.sequence's keep_gathered_input) are flagged where the real code passes;
 - the shape cache returns what the meta kernels return; swiglu's gradient is autograd's.
 """
 
@@ -48,18 +48,37 @@ def _off(sim) -> list[str]:
 # the accounting against the paper
 
 
+def _remainder(s_local: int, b: int, heads: int, attention: str, s: int) -> int:
+    """What the paper's terms leave out: the 2 LayerNorms' fp32 mean and reciprocal deviation (b s 4 bytes each),
+    and FlashAttention's fp32 log-sum-exp (b a s 4) with its random-number offsets (24 bytes), or, written out,
+    the s x s causal mask (1 byte each, one for every layer)."""
+    norms = 2 * 2 * b * s_local * 4
+    return norms + (heads * s * b * 4 + 24 if attention == "flash" else s * s)
+
+
 def test_a_gpt_layer_keeps_what_korthikanti_counts():
     # one GPT-3-shaped layer split 8 ways: s b h (10 + 24/t + 5 a s / (h t)) bytes with attention written out
-    # (softmax, dropout mask and output: 5 a s^2 b), s b h (10 + 24/t) with FlashAttention, which keeps no
-    # scores; both up to the norms' fp32 statistics and FlashAttention's log-sum-exp (< 0.1%); written out, the
-    # causal mask too (s^2 bytes, one for every layer)
-    spec = ModelSpec(2, 2048, 16, 1024, 512, name="gpt")  # dropout 0.1, f = 4h, MHA
+    # (softmax, dropout mask and output: 5 a s^2 b), s b h (10 + 24/t) with FlashAttention, which keeps no scores
+    spec = ModelSpec(2, 2048, 16, 1024, 512, name="gpt")  # dropout, f = 4h, multi-head attention
     s, b, h, a, t = 512, 1, 2048, 16, 8
     sbh = s * b * h
-    for attention, scores in (("eager", 5 * a * s * s * b / t + s * s), ("flash", 0)):
+    for attention, scores in (("eager", 5 * a * s * s * b / t), ("flash", 0)):
         kept = sum(x.nbytes for x in layer_anatomy(spec, Layout(tp=t), attention=attention))
-        expected = sbh * (10 + 24 / t) + scores
-        assert kept == pytest.approx(expected, rel=1e-3), f"{attention}: {kept:,} bytes kept, the paper counts {expected:,.0f}"
+        expected = sbh * (10 + 24 / t) + scores + _remainder(s, b, a // t, attention, s)
+        assert kept == expected, f"{attention}: {kept:,} bytes kept, the paper counts {expected:,.0f}"
+
+
+def test_sequence_parallelism_keeps_the_shards_and_the_wrong_variant_the_gathered_inputs():
+    # Sec. 4.2.2: with sequence parallelism every term is / t, 34 s b h / t without the scores; the variant that
+    # keeps the gathered inputs of q/k/v and of the MLP keeps 2 (s b h - s b h / t) more of each
+    spec = ModelSpec(2, 2048, 16, 1024, 512, name="gpt")
+    s, b, h, a, t = 512, 1, 2048, 16, 8
+    sbh, layout = s * b * h, Layout(tp=t, sequence_parallel=True)
+    kept = sum(x.nbytes for x in layer_anatomy(spec, layout))
+    expected = 34 * sbh // t + _remainder(s // t, b, a // t, "flash", s)
+    assert kept == expected, f"{kept:,} bytes, the paper counts {expected:,}"
+    wrong = sum(x.nbytes for x in layer_anatomy(spec, layout, keep_gathered_input=True))
+    assert wrong - kept == 2 * 2 * (sbh - sbh // t), f"{wrong - kept:,} bytes more"
 
 
 def test_a_layer_keeps_the_same_with_and_without_the_shape_cache():
@@ -87,7 +106,7 @@ def test_swiglu_gradient_is_autograds():
 
 
 def test_a_1_7b_gpt_on_16_ranks_matches_the_planner():
-    layout = Layout(dp=4, tp=2, pp=2, zero=1, micro_batch=1)
+    layout = Layout(dp=4, tp=2, pp=2, zero=1, micro_batch=1, sequence_parallel=True)
     for name, rank in representative_ranks(layout).items():
         sim = simulate(GPT_1_7B, layout, rank=rank, global_batch=16)
         assert not _off(sim), f"{name} (rank {rank}): {_off(sim)}"
@@ -120,6 +139,13 @@ def test_each_technique_matches_the_planner(name):
 # wrong code is caught
 
 
+def test_a_block_that_keeps_the_gathered_input_is_flagged():
+    spec, layout = ModelSpec(4, 512, 8, 1024, 512, name="gpt"), Layout(dp=2, tp=4, pp=2, zero=1, sequence_parallel=True)
+    assert not _off(simulate(spec, layout, global_batch=4)), "the real sequence-parallel block"
+    off = _off(simulate(spec, layout, global_batch=4, keep_gathered_input=True))
+    assert [x.split(":")[0] for x in off] == ["activation peak", "sent tp"], off  # more kept, no gathers again
+
+
 def test_zero2_that_keeps_the_full_gradients_is_flagged(monkeypatch):
     layout = Layout(dp=4, tp=2, zero=2)
     assert not _off(simulate(SMALL, layout, global_batch=8)), "the real ZeRO-2"
@@ -146,7 +172,7 @@ def test_simulate_command_line(tmp_path, capsys):
                                       max_position_embeddings=256, intermediate_size=688, hidden_act="silu",
                                       rms_norm_eps=1e-5, rope_theta=1e4, tie_word_embeddings=False)))
     code = simulate_main(["--model", str(config), "--gpus", "8", "--tp", "2", "--pp", "2", "--global-batch", "8",
-                          "--sequence-parallel", "no", "--rank", "7", "--json"])
+                          "--rank", "7", "--json"])
     (result,) = json.loads(capsys.readouterr().out)
     assert code == 0 and result["rank"] == 7 and result["coords"]["pp"] == 1, result
     assert {r["quantity"] for r in result["against_planner"]} >= {"model states", "activation peak", "sent tp"}

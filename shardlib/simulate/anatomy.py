@@ -30,10 +30,11 @@ class SavedTensor:
     nbytes: int  # bytes of its storage (a view keeps its whole storage alive)
 
 
-def layer_anatomy(spec: ModelSpec, layout: Layout, *, micro_batch: int | None = None,
-                  attention: str = "flash") -> list[SavedTensor]:
+def layer_anatomy(spec: ModelSpec, layout: Layout, *, micro_batch: int | None = None, attention: str = "flash",
+                  keep_gathered_input: bool = False) -> list[SavedTensor]:
     """The tensors one layer of `spec` saves on rank 0 of the layout's tp (and cp) group, forward of one
-    micro-batch. Only tp, cp and sequence parallelism shape a layer's activations."""
+    micro-batch. Only tp, cp, sequence parallelism and recomputation shape a layer's activations; under
+    full recomputation this is what the layer keeps while it is recomputed."""
     b = micro_batch or layout.micro_batch
     local = Layout(tp=layout.tp, cp=layout.cp, sequence_parallel=layout.sequence_parallel, cp_method=layout.cp_method)
     with fake_world(0, local.n_gpus), meta_execution(attention):
@@ -42,9 +43,12 @@ def layer_anatomy(spec: ModelSpec, layout: Layout, *, micro_batch: int | None = 
 
         seq_layout = check_context_parallel(spec.seq_len, layout.cp, layout.cp_method, spec.n_head // layout.tp,
                                             spec.kv_heads // layout.tp) if layout.cp > 1 else None
+        if layout.recompute not in (None, "selective", "full"):
+            raise ValueError(f"recompute must be None, 'selective' or 'full', got {layout.recompute!r}")
         with torch.device("meta"):
             layer = build_layer(spec, layout.tp, groups, sequence_parallel=local.sequence_parallel,
-                                layout=seq_layout, cp_method=layout.cp_method).to(torch.bfloat16)
+                                layout=seq_layout, cp_method=layout.cp_method, keep_gathered_input=keep_gathered_input,
+                                recompute_mode=layout.recompute).to(torch.bfloat16)
         tokens = seq_layout.length(0) if seq_layout else spec.seq_len
         tokens //= layout.tp if local.sequence_parallel else 1
         x = torch.empty(b, tokens, spec.hidden, dtype=torch.bfloat16, device="meta", requires_grad=True)

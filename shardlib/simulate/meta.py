@@ -14,9 +14,7 @@ operations that a GPU runs as one fused kernel; `gpu_kernels_on_meta` gives meta
   (torch.ops.aten._scaled_dot_product_flash_attention, which has a meta kernel and a derivative),
   so the tensors autograd saves are the GPU's. attention="eager" runs attention as GPUs did before
   it (Megatron-LM in 2021, arXiv 2104.04473): q k^T, the causal softmax, dropout, times v, keeping
-  the 16-bit softmax, the dropout mask and its output (5 a s^2 b bytes, arXiv 2205.05198); with
-  recompute_attention, that core goes through shardlib.parallel.recompute.recompute (selective
-  recomputation: only q, k, v are kept).
+  the 16-bit softmax, the dropout mask and its output (5 a s^2 b bytes, arXiv 2205.05198).
 - Dropout. On a GPU F.dropout is the fused native_dropout kernel, which keeps a 1-byte mask;
   elsewhere it multiplies by a mask in the input's dtype and keeps that. On meta it runs as the GPU's.
 - RMSNorm. On a GPU F.rms_norm is one fused kernel that keeps its input and the (b, s, 1) fp32
@@ -42,8 +40,6 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from shardlib.parallel.recompute import recompute
-
 __all__ = ["meta_execution", "MetaShapeCache", "gpu_kernels_on_meta", "ATTENTION"]
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
@@ -51,7 +47,7 @@ ATTENTION = ("flash", "eager")
 
 
 @contextmanager
-def gpu_kernels_on_meta(attention: str = "flash", recompute_attention: bool = False):
+def gpu_kernels_on_meta(attention: str = "flash"):
     """Inside: on meta tensors F.scaled_dot_product_attention runs as the FlashAttention kernel (or
     eagerly), F.rms_norm as the fused RMSNorm kernel, F.dropout as native_dropout; on other tensors
     they are untouched. The functions of torch.nn.functional are replaced for the duration (a mode would
@@ -63,12 +59,7 @@ def gpu_kernels_on_meta(attention: str = "flash", recompute_attention: bool = Fa
     def attention_on_meta(q, k, v, *args, **kwargs):
         if not q.is_meta:
             return originals["scaled_dot_product_attention"](q, k, v, *args, **kwargs)
-        if attention == "flash":
-            return _flash_attention(q, k, v, *args, **kwargs)
-        def core(q, k, v):
-            return _eager_attention(q, k, v, *args, **kwargs)
-
-        return recompute(core, q, k, v) if recompute_attention and torch.is_grad_enabled() else core(q, k, v)
+        return (_flash_attention if attention == "flash" else _eager_attention)(q, k, v, *args, **kwargs)
 
     def rms_norm_on_meta(x, *args, **kwargs):
         return _rms_norm(x, *args, **kwargs) if x.is_meta else originals["rms_norm"](x, *args, **kwargs)
@@ -156,6 +147,8 @@ class MetaShapeCache(TorchDispatchMode):
         if remembered is not None:
             self.hits += 1
             spec, metas = remembered
+            if spec is None:  # one tensor
+                return torch.empty_strided(metas[0], metas[1], dtype=metas[2], device="meta")
             return tree_unflatten([torch.empty_strided(shape, stride, dtype=dtype, device="meta")
                                    for shape, stride, dtype in metas], spec)
         schema = func._schema
@@ -167,7 +160,8 @@ class MetaShapeCache(TorchDispatchMode):
         if not all(isinstance(o, torch.Tensor) and o.is_meta and o.storage_offset() == 0 for o in outs):
             self.always_run.add(func)  # a None, a number or a non-meta tensor among the results
             return out
-        self.results[key] = (spec, [(tuple(o.shape), o.stride(), o.dtype) for o in outs])
+        metas = [(o.shape, o.stride(), o.dtype) for o in outs]
+        self.results[key] = (None, metas[0]) if isinstance(out, torch.Tensor) else (spec, metas)
         self.misses += 1
         return out
 
@@ -175,20 +169,25 @@ class MetaShapeCache(TorchDispatchMode):
 def _call_key(func, args, kwargs):
     """What the result of func(*args, **kwargs) depends on, hashable; None when not all on meta."""
     key = [func]
-    for value in (*args, *kwargs.items()):  # a kwargs item is a (name, value) pair
+    for value in args:
         if not _add_to_key(key, value):
+            return None
+    for item in kwargs.items():  # (name, value)
+        if not _add_to_key(key, item):
             return None
     return tuple(key)
 
 
 def _add_to_key(key: list, value) -> bool:
     if isinstance(value, torch.Tensor):
-        if not value.is_meta:
+        if value.device.type != "meta":
             return False
-        key.append((tuple(value.shape), value.stride(), value.dtype, value.storage_offset()))
+        key.append((value.shape, value.stride(), value.dtype, value.storage_offset()))
     elif isinstance(value, (list, tuple)):
         key.append(("[", len(value)))
-        return all(_add_to_key(key, v) for v in value)
+        for v in value:
+            if not _add_to_key(key, v):
+                return False
     elif isinstance(value, _PLAIN):
         key.append(value)
     else:
@@ -197,8 +196,8 @@ def _add_to_key(key: list, value) -> bool:
 
 
 @contextmanager
-def meta_execution(attention: str = "flash", recompute_attention: bool = False):
+def meta_execution(attention: str = "flash"):
     """Inside: attention and RMSNorm on meta tensors run as the GPU's kernels, meta shape results are remembered."""
     cache = MetaShapeCache()
-    with gpu_kernels_on_meta(attention, recompute_attention), cache:
+    with gpu_kernels_on_meta(attention), cache:
         yield cache

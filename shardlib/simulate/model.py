@@ -6,9 +6,9 @@ vocabulary V, experts. A rank of a job holds one stage (or, interleaved, v chunk
 piece is the course's code for its technique:
 
     layer          shardlib.parallel.tensor_gpt.ParallelBlock: pre-norm, x + attn(norm(x)), x + mlp(norm(x))
-    attention      its ParallelSelfAttention (heads split t ways, one f for q, k, v, row-parallel o);
-                   under context parallelism the same projections around ring attention or Ulysses
-                   (shardlib.parallel.context_gpt.context_parallel_attention)
+    attention      its ParallelSelfAttention (heads split t ways, one f for q, k, v, row-parallel o;
+                   "selective": its core recomputed); under context parallelism the same projections
+                   around ring attention or Ulysses over the cp group
     MLP            ParallelMLP (column fc, GeLU, row proj); gated (SwiGLU, Llama): one column-parallel
                    linear for gate and up, silu(gate) * up, the row-parallel down projection
     experts        shardlib.parallel.experts.ExpertParallelMoE on the expert-parallel group
@@ -29,11 +29,12 @@ import torch.nn as nn
 
 from shardlib.models import GPTConfig
 from shardlib.parallel.context import SequenceLayout, check_context_parallel
-from shardlib.parallel.context_gpt import context_parallel_attention
 from shardlib.parallel.experts import ExpertParallelMoE, MoE, swiglu
 from shardlib.parallel.pipeline import balanced_split
 from shardlib.parallel.recompute import recompute
-from shardlib.parallel.tensor import ColumnParallelLinear, RowParallelLinear, enter_tp_region, shard_parameter
+from shardlib.parallel.ring_attention import ring_attention
+from shardlib.parallel.tensor import ColumnParallelLinear, RowParallelLinear, column_parallel_linears, shard_parameter
+from shardlib.parallel.ulysses import ulysses_attention
 from shardlib.parallel.tensor_gpt import ParallelBlock, ParallelMLP, VocabParallelEmbedding, \
     vocab_parallel_cross_entropy
 from shardlib.plan.model import ModelSpec
@@ -62,9 +63,10 @@ class GatedParallelMLP(nn.Module):
     """SwiGLU under tensor parallelism: (B, T, C) -> fc (B, T, 2f/t) -> silu(gate) * up (B, T, f/t) -> (B, T, C).
     Gate and up are one column-parallel linear (Megatron-LM fuses them too): one f for both."""
 
-    def __init__(self, hidden: int, ffn: int, bias: bool, *, group, sequence_parallel: bool):
+    def __init__(self, hidden: int, ffn: int, bias: bool, *, group, sequence_parallel: bool, keep_gathered_input: bool):
         super().__init__()
-        self.fc = ColumnParallelLinear(hidden, 2 * ffn, bias=bias, group=group, sequence_parallel=sequence_parallel)
+        self.fc = ColumnParallelLinear(hidden, 2 * ffn, bias=bias, group=group, sequence_parallel=sequence_parallel,
+                                       keep_gathered_input=keep_gathered_input)
         self.proj = RowParallelLinear(ffn, hidden, bias=bias, group=group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,15 +75,23 @@ class GatedParallelMLP(nn.Module):
 
 
 class ContextParallelAttention(nn.Module):
-    """ParallelSelfAttention's projections around ring attention (or Ulysses) over the cp group."""
+    """ParallelSelfAttention's projections (entered as it enters them) around ring attention or Ulysses over
+    the cp group, on this rank's s_r tokens (shardlib.parallel.context_gpt does the same without tp)."""
 
     def __init__(self, attn: nn.Module, layout: SequenceLayout, *, group, method: str):
         super().__init__()
         self.attn, self.layout, self.group, self.method = attn, layout, group, method
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, s_r, C), or (B, s_r/t, C) under SP
-        x = enter_tp_region(x, group=self.attn.group, sequence_parallel=self.attn.sequence_parallel)  # (B, s_r, C)
-        return context_parallel_attention(self.attn, x, self.layout, group=self.group, method=self.method)
+        a = self.attn
+        q, k, v = column_parallel_linears(x, (a.q_proj, a.k_proj, a.v_proj), group=a.group,
+                                          sequence_parallel=a.sequence_parallel,
+                                          keep_gathered_input=a.keep_gathered_input)  # (B, s_r, heads/t * hd) each
+        B, T, _ = q.shape
+        q, k, v = (y.view(B, T, -1, a.head_dim).transpose(1, 2) for y in (q, k, v))  # (B, heads/t, s_r, hd)
+        attention = ring_attention if self.method == "ring" else ulysses_attention
+        y = attention(q, k, v, self.layout, group=self.group)  # (B, nh/t, s_r, hd)
+        return a.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, s_r, C), or (B, s_r/t, C) under SP
 
 
 class Recomputed(nn.Module):
@@ -103,10 +113,12 @@ def _set_bias(linear: nn.Module, wanted: bool, size: int, partition_dim) -> None
 
 
 def build_layer(spec: ModelSpec, t: int, groups, *, sequence_parallel: bool, layout: SequenceLayout | None,
-                cp_method: str) -> nn.Module:
-    """One transformer layer of `spec`, this rank's 1/t of it."""
-    config, h, sp = _config(spec, t), spec.hidden, sequence_parallel
-    block = ParallelBlock(config, group=groups.tp, sequence_parallel=sp)
+                cp_method: str, keep_gathered_input: bool = False, recompute_mode: str | None = None) -> nn.Module:
+    """One transformer layer of `spec`, this rank's 1/t of it. keep_gathered_input, and recompute_mode
+    "selective": ParallelBlock's options (shardlib/parallel/tensor_gpt.py)."""
+    config, h, sp, keep = _config(spec, t), spec.hidden, sequence_parallel, keep_gathered_input
+    block = ParallelBlock(config, group=groups.tp, sequence_parallel=sp, keep_gathered_input=keep,
+                          recompute="selective" if recompute_mode == "selective" else None)
     block.ln_1, block.ln_2 = _norm(spec), _norm(spec)
     attn = block.attn
     key_bias = spec.bias if spec.key_bias is None else spec.key_bias
@@ -120,9 +132,10 @@ def build_layer(spec: ModelSpec, t: int, groups, *, sequence_parallel: bool, lay
         moe = MoE(h, spec.n_experts, spec.top_k, spec.capacity_factor, ffn_hidden=spec.ffn, gated=spec.gated_mlp)
         block.mlp = ExpertParallelMoE.from_moe(moe, group=groups.ep)
     elif spec.gated_mlp:
-        block.mlp = GatedParallelMLP(h, spec.ffn, spec.bias, group=groups.tp, sequence_parallel=sp)
+        block.mlp = GatedParallelMLP(h, spec.ffn, spec.bias, group=groups.tp, sequence_parallel=sp,
+                                     keep_gathered_input=keep)
     elif spec.ffn == 4 * h:
-        block.mlp = ParallelMLP(config, group=groups.tp, sequence_parallel=sp)
+        block.mlp = ParallelMLP(config, group=groups.tp, sequence_parallel=sp, keep_gathered_input=keep)
         _set_bias(block.mlp.fc, spec.bias, block.mlp.fc.weight.shape[0], 0)
         _set_bias(block.mlp.proj, spec.bias, h, None)
     else:
@@ -150,7 +163,7 @@ class TransformerStage(nn.Module):
 
     def __init__(self, spec: ModelSpec, stage_index: int, num_stages: int, layers: range, groups, *, tp: int, cp: int,
                  cp_rank: int, tp_rank: int, sequence_parallel: bool, cp_method: str = "ring",
-                 recompute_mode: str | None = None):
+                 recompute_mode: str | None = None, keep_gathered_input: bool = False):
         super().__init__()
         self.spec, self.stage_index, self.num_stages, self.groups = spec, stage_index, num_stages, groups
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
@@ -162,13 +175,15 @@ class TransformerStage(nn.Module):
         if self.is_first:
             self.tok_emb = VocabParallelEmbedding(V, h, group=groups.tp, sequence_parallel=sp)
             self.pos_emb = nn.Embedding(spec.n_positions or spec.seq_len, h) if spec.learned_positions else None
+        keep = keep_gathered_input and sp
         layer = lambda: build_layer(spec, tp, groups, sequence_parallel=sp, layout=self.layout,  # noqa: E731
-                                    cp_method=cp_method)
+                                    cp_method=cp_method, keep_gathered_input=keep, recompute_mode=recompute_mode)
         wrap = Recomputed if recompute_mode == "full" else (lambda m: m)
         self.blocks = nn.ModuleDict({str(i): wrap(layer()) for i in layers})
         if self.is_last:
             self.ln_f = _norm(spec)
-            self.lm_head = ColumnParallelLinear(h, V, bias=False, group=groups.tp, sequence_parallel=sp)
+            self.lm_head = ColumnParallelLinear(h, V, bias=False, group=groups.tp, sequence_parallel=sp,
+                                                keep_gathered_input=keep)
             if spec.tied_embeddings and self.is_first:
                 self.lm_head.weight = self.tok_emb.weight  # one (V/t, h) matrix: input and output
         if sp:
@@ -219,7 +234,8 @@ def layers_of_chunks(spec: ModelSpec, n_chunks: int, tp: int) -> list[int]:
     return balanced_split([per_layer] * spec.n_layer, n_chunks, head, head)
 
 
-def build_chunks(spec: ModelSpec, layout, coords: dict, groups) -> list[TransformerStage]:
+def build_chunks(spec: ModelSpec, layout, coords: dict, groups, *, keep_gathered_input: bool = False
+                 ) -> list[TransformerStage]:
     """This rank's chunks (one, or v interleaved: chunk c is virtual stage c p + s), on the meta device."""
     t, p, v = layout.tp, layout.pp, layout.virtual_stages
     if spec.moe and t > 1:
@@ -234,5 +250,5 @@ def build_chunks(spec: ModelSpec, layout, coords: dict, groups) -> list[Transfor
             chunks.append(TransformerStage(
                 spec, k, p * v, range(start, start + counts[k]), groups, tp=t, cp=layout.cp, cp_rank=coords["cp"],
                 tp_rank=coords["tp"], sequence_parallel=layout.sequence_parallel, cp_method=layout.cp_method,
-                recompute_mode=layout.recompute))
+                recompute_mode=layout.recompute, keep_gathered_input=keep_gathered_input))
     return chunks

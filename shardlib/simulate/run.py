@@ -97,9 +97,11 @@ def _schedule(layout: Layout):
 
 
 def simulate(spec: ModelSpec, layout: Layout, *, rank: int = 0, global_batch: int, attention: str = "flash",
-             gpus_per_node: int = 8) -> Simulation:
+             keep_gathered_input: bool = False, gpus_per_node: int = 8) -> Simulation:
     """Run rank `rank`'s step of `layout` (shardlib.plan.Layout) for `spec` with `global_batch` sequences.
     attention: "flash" (as GPUs run it today) or "eager" (scores kept, as before FlashAttention; meta.py).
+    keep_gathered_input: sequence parallelism keeps the gathered inputs of the column layers for backward
+    (shardlib/parallel/sequence.py) instead of their shards.
     Bad layouts are refused with the planner's own checks (check_layout), before anything runs."""
     n = layout.n_gpus
     check_layout(spec, Cluster.of(n, gpus_per_node=min(gpus_per_node, n)), layout, global_batch)
@@ -107,9 +109,9 @@ def simulate(spec: ModelSpec, layout: Layout, *, rank: int = 0, global_batch: in
         raise ValueError("optimizer offload is not simulated: drop offload=True")
     start = time.perf_counter()
     m = global_batch // (layout.dp * layout.micro_batch)
-    with fake_world(rank, n), meta_execution(attention, recompute_attention=layout.recompute == "selective"):
+    with fake_world(rank, n), meta_execution(attention):
         groups, coords = rank_groups(layout, rank), rank_coordinates(layout, rank)
-        chunks = build_chunks(spec, layout, coords, groups)
+        chunks = build_chunks(spec, layout, coords, groups, keep_gathered_input=keep_gathered_input)
         data_parallel = DataParallel(chunks, layout.zero, groups)
         data_parallel.prime()
         timeline = MemoryTimeline(chunks, data_parallel)
