@@ -12,7 +12,8 @@ BLOOM and Llama 3 balance the embedding and the output layer), the embedding on 
 output layer on stage p-1.
 
 Memory of a GPU of stage k:
-  model states  Psi_k = Psi_split/t + Psi_replicated (+ its E/e experts), under ZeRO stage z over the
+  model states  Psi_k = Psi_split/t + Psi_replicated (+ its E/e experts; the embedding and output layer
+                of ceil(V/t) rows each, the vocabulary padded to a multiple of t), under ZeRO stage z over the
                 d c GPUs holding the same parameters (d c / e for experts): 16 Psi_k, 4 Psi_k + 12 Psi_k/dc,
                 2 Psi_k + 14 Psi_k/dc, 16 Psi_k/dc bytes with mixed-precision Adam (ZeRO, arXiv 1910.02054,
                 Fig. 1). Offload keeps the optimizer's 12 Psi_k(/dc) bytes in CPU memory (arXiv 2101.06840).
@@ -339,6 +340,8 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, rec
 
     # -- memory ----------------------------------------------------------------------
     split, replicated = spec.stage_params(first, last, layers)
+    V_t = torch.ceil(V / t)  # vocabulary rows per tensor-parallel rank: V padded to a multiple of t
+    split = split + (V_t * t - V) * h * (first + last * (1 - spec.tied_embeddings * first))  # the padding rows
     psi_dense = split / t + replicated
     mlp_split, mlp_replicated = spec.mlp_params()
     psi_expert = layers * spec.n_experts / ep * (mlp_split / t + mlp_replicated)
@@ -355,7 +358,7 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, rec
     recomputing = torch.where(c.recompute == 2, by_mode[0], 0.0) * e / 2  # the layer being recomputed
     # the final norm's and the output layer's inputs, and the fp32 logits: freed by the loss's backward before
     # the last layer is recomputed, so the two never add up
-    output_layer = last * (4 * tokens * h / torch.where(c.sp > 0, t, 1.0) * e / 2 + 4 * tokens * V / t)
+    output_layer = last * (4 * tokens * h / torch.where(c.sp > 0, t, 1.0) * e / 2 + 4 * tokens * V_t)
     activations = layers * per_layer * in_flight * e / 2 + torch.maximum(recomputing, output_layer)
     layer_split, layer_replicated = spec.layer_params()
     layer_experts = spec.n_experts / ep * (mlp_split / t + mlp_replicated)
