@@ -65,28 +65,34 @@ def as_dict(sim: Simulation, comparisons: list[Comparison] | None = None) -> dic
             "wall_s": sim.wall_s}
 
 
-def plot_timeline(sim: Simulation, ax=None, title: str | None = None):
-    """Bytes held through the step, stacked: model states (flat), buffers, saved activations; one point
-    per layer's forward end and backward start and end. Returns the axes."""
+def plot_timeline(sim: Simulation, ax=None, title: str | None = None, activations_only: bool = False):
+    """Bytes held through the step, one point per event (each layer's forward end, backward start and end):
+    stacked, model states (parameters and optimizer flat, gradients), gathered ZeRO-3 parameters and saved
+    activations at their highest since the previous event; or the activations alone. Returns the axes."""
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 3))
-    states = (sim.model_states["params"] + sim.model_states["optimizer"]) / GiB
     xs = range(len(sim.samples))
-    grads = [s.grads / GiB for s in sim.samples]
-    buffers = [s.buffers / GiB for s in sim.samples]
-    acts = [s.activations / GiB for s in sim.samples]
-    ax.stackplot(xs, [states] * len(grads), grads, buffers, acts,
-                 labels=["parameters + optimizer", "gradients", "gathered parameters", "saved activations"],
-                 colors=["tab:gray", "tab:olive", "tab:purple", "tab:blue"], alpha=0.8)
-    top = max(range(len(sim.samples)), key=lambda i: grads[i] + buffers[i] + acts[i])
-    ax.annotate(f"peak: {sim.samples[top].where}", (top, states + grads[top] + buffers[top] + acts[top]),
-                xytext=(0.02, 0.92), textcoords="axes fraction", fontsize=8,
-                arrowprops=dict(arrowstyle="->", lw=0.6))
-    ax.set_xlim(0, max(len(sim.samples) - 1, 1))
+    acts = [x.high / GiB for x in sim.samples]
+    if activations_only:
+        ax.plot(xs, acts, color="tab:blue", lw=0.8, label="saved activations")
+        ax.set_ylim(bottom=0)
+        tops = acts
+    else:
+        states = (sim.model_states["params"] + sim.model_states["optimizer"]) / GiB
+        grads, buffers = [x.grads / GiB for x in sim.samples], [x.buffers / GiB for x in sim.samples]
+        ax.stackplot(xs, [states] * len(xs), grads, buffers, acts,
+                     labels=["parameters + optimizer", "gradients", "gathered parameters", "saved activations"],
+                     colors=["tab:gray", "tab:olive", "tab:purple", "tab:blue"], alpha=0.8)
+        tops = [states + g + f + a for g, f, a in zip(grads, buffers, acts)]
+    top = max(xs, key=tops.__getitem__)
+    ax.plot([top], [tops[top]], "v", color="black", ms=5)
+    ax.text(0.99, 0.04, f"peak: {sim.peak_where}", transform=ax.transAxes, ha="right", fontsize=8,
+            bbox=dict(facecolor="white", edgecolor="none", alpha=0.8))
+    ax.set_xlim(0, max(len(xs) - 1, 1))
     ax.set_xlabel("step, event by event (each layer's forward end, backward start and end)")
     ax.set_ylabel("GiB on this GPU")
     ax.set_title(title or f"{sim.spec.name}: rank {sim.rank} of {sim.layout.n_gpus}", fontsize=9)
-    ax.legend(loc="upper right", fontsize=7, frameon=False)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
     return ax

@@ -53,9 +53,10 @@ class Where:
 class Sample:
     where: Where
     event: str  # "forward end", "backward start", "backward end", "micro-batch", "step"
-    activations: int
+    activations: int  # saved bytes at this point
     grads: int
     buffers: int
+    high: int  # the most saved bytes since the previous sample (a layer recomputed in backward rises and falls)
 
 
 class _Held:
@@ -90,6 +91,7 @@ class MemoryTimeline:
         self.activation_peak, self.activation_peak_where = 0, self.where
         self.peak, self.peak_where = 0, self.where
         self.buffer_peak = self.buffers
+        self._high = 0  # saved bytes at their highest since the last sample
         self._forwards = [0] * len(chunks)
         self._handles = []
 
@@ -123,6 +125,7 @@ class MemoryTimeline:
             del self.refs[key]
 
     def _check_peaks(self) -> None:
+        self._high = max(self._high, self.saved)
         if self.saved > self.activation_peak:
             self.activation_peak, self.activation_peak_where = self.saved, self.where
         total = self.params + self.optimizer + self.grads + self.buffers + self.saved
@@ -139,7 +142,8 @@ class MemoryTimeline:
             self.buffers = sum(u.flat.untyped_storage().nbytes() for u in self.dp.fsdp_units)
             self.buffer_peak = max(self.buffer_peak, self.buffers)
         self._check_peaks()
-        self.samples.append(Sample(where, event, self.saved, self.grads, self.buffers))
+        self.samples.append(Sample(where, event, self.saved, self.grads, self.buffers, self._high))
+        self._high = self.saved
 
     def _chunk_forward(self, c: int, module, args) -> None:
         self._sample("micro-batch", Where("F", self._forwards[c], c, None), grads=True)
