@@ -174,7 +174,8 @@ class MoE(nn.Module):
     with capacity."""
 
     def __init__(self, hidden: int, n_experts: int, top_k: int = 1, capacity_factor: float = 1.25,
-                 ffn_hidden: int | None = None, init_std: float = 0.02, out_init_std: float = 0.02, gated: bool = False):
+                 ffn_hidden: int | None = None, init_std: float = 0.02, out_init_std: float = 0.02,
+                 gated: bool = False):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")

@@ -202,7 +202,8 @@ class ModelSpec:
             norm="rmsnorm" if "rms_norm_eps" in config else "layernorm", learned_positions=not rotary,
             n_positions=positions, tied_embeddings=bool(get("tie_word_embeddings", default=not gated)),
             n_experts=get("num_local_experts", "num_experts", default=0), top_k=get("num_experts_per_tok", default=2),
-            dropout=float(get("resid_pdrop", "hidden_dropout", "hidden_dropout_prob", "attention_dropout", default=0)) > 0,
+            dropout=float(get("resid_pdrop", "hidden_dropout", "hidden_dropout_prob", "attention_dropout",
+                              default=0)) > 0,
             name=name or config.get("_name_or_path") or config.get("model_type") or "hf-model")
 
     @classmethod

@@ -140,5 +140,6 @@ class DataParallel:
             masters = [m for w, _ in self.wrappers for m in w.masters]
             return dict(params=held, grads=grads, optimizer=states + masters, buffers=[])
         own = [w.model_state_tensors() for w, _ in self.wrappers]
-        return dict(params=held + [t for h in own for t in h["params"]], grads=grads + [t for h in own for t in h["grads"]],
+        return dict(params=held + [t for h in own for t in h["params"]],
+                    grads=grads + [t for h in own for t in h["grads"]],
                     optimizer=[t for h in own for t in h["optimizer"] if t.is_meta], buffers=[])

@@ -22,7 +22,8 @@ def _where(sim: Simulation) -> str:
     c = sim.coords
     place = ", ".join(f"{k} {c[k]}" for k in ("pp", "dp", "cp", "tp") if getattr(sim.layout, k) > 1) or "alone"
     layers = "; ".join(f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in sim.layers)
-    return (f"{sim.spec.name}, {sim.layout}, {sim.attention} attention, rank {sim.rank} of {sim.layout.n_gpus} ({place}): "
+    return (f"{sim.spec.name}, {sim.layout}, {sim.attention} attention, rank {sim.rank} of {sim.layout.n_gpus} "
+            f"({place}): "
             f"{sim.n_micro} micro-batches of {sim.layout.micro_batch}, layers {layers}")
 
 

@@ -130,7 +130,8 @@ def simulate(spec: ModelSpec, layout: Layout, *, rank: int = 0, global_batch: in
             data_parallel.step()
             timeline.mark("step")
         records = list(ledger.records)
-    return Simulation(spec, layout, rank, global_batch, attention, coords, m, [[int(i) for i in c.blocks] for c in chunks],
+    layers = [[int(i) for i in c.blocks] for c in chunks]
+    return Simulation(spec, layout, rank, global_batch, attention, coords, m, layers,
                       dict(at_rest, total=sum(at_rest.values())), timeline.activation_peak,
                       timeline.activation_peak_where, timeline.peak, timeline.peak_where, timeline.buffer_peak,
                       records, groups.ranks, timeline.samples, time.perf_counter() - start)
