@@ -85,8 +85,8 @@ def _dropout(x, p=0.5, training=True, inplace=False):
 def _flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     if attn_mask is not None:
         raise ValueError("attention on meta tensors here is causal or unmasked: no attn_mask")
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves n_head / n_kv query heads
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))  # (B, nh, s, d)
+    # grouped-query attention (k, v with fewer heads): the kernel reads each kv head for its query heads and keeps
+    # k, v as they are, no repeated copies
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
 
 

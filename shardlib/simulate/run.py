@@ -2,7 +2,7 @@
 
     result = simulate(ModelSpec.preset("llama-70b"), Layout(dp=4, tp=8, pp=2, zero=1,
                       sequence_parallel=True), rank=0, global_batch=64)
-    result.model_state_bytes, result.activation_peak, result.sent_by_group()
+    result.model_states["total"], result.activation_peak, result.sent_by_group()
 
 This process becomes rank `rank` of dp*cp*tp*pp ranks on the fake backend (world.py), builds the
 rank's chunks at the model's true shape on the meta device (model.py), applies ZeRO (optim.py),
