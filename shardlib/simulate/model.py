@@ -10,16 +10,17 @@ piece is the course's code for its technique:
                    "selective": its core recomputed); under context parallelism the same projections
                    around ring attention or Ulysses over the cp group
     MLP            ParallelMLP (column fc, GeLU, row proj); gated (SwiGLU, Llama): one column-parallel
-                   linear for gate and up, silu(gate) * up, the row-parallel down projection
+                   linear for gate and up, experts.swiglu (silu recomputed in backward), the row-parallel
+                   down projection
     experts        shardlib.parallel.experts.ExpertParallelMoE on the expert-parallel group
     embedding      VocabParallelEmbedding on the first stage; norm, column-parallel output layer and
                    vocab_parallel_cross_entropy on the last, the logits cast to fp32 as Megatron-LM does
     recomputation  "full": each layer through shardlib.parallel.recompute.recompute (keeps its input)
 
 Sizes a technique cannot split are refused with what to change. The vocabulary is padded up to a
-multiple of t, as Megatron-LM pads it (--make-vocab-size-divisible-by). Dropout, when the spec has
-it, follows the attention and the MLP and acts inside the attention. Rotary embeddings (no
-parameters) are left out, and so is the load-balancing loss of a mixture of experts.
+multiple of t (Megatron-LM pads it to a multiple of 128 t: --make-vocab-size-divisible-by). Dropout,
+when the spec has it, follows the attention and the MLP and acts inside the attention. Rotary
+embeddings (no parameters) are left out, and so is the load-balancing loss of a mixture of experts.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from shardlib.parallel.pipeline import balanced_split
 from shardlib.parallel.recompute import recompute
 from shardlib.parallel.ring_attention import ring_attention
 from shardlib.parallel.tensor import ColumnParallelLinear, RowParallelLinear, column_parallel_linears, shard_parameter
-from shardlib.parallel.ulysses import ulysses_attention
 from shardlib.parallel.tensor_gpt import ParallelBlock, ParallelMLP, VocabParallelEmbedding, \
     vocab_parallel_cross_entropy
+from shardlib.parallel.ulysses import ulysses_attention
 from shardlib.plan.model import ModelSpec
 
 __all__ = ["TransformerStage", "build_chunks", "padded_vocab", "layers_of_chunks"]

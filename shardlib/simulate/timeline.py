@@ -2,7 +2,8 @@
 
 Four kinds of bytes, each counted from tensors that exist (distinct storages, views once):
 
-    params, grads, optimizer   the data-parallel wrapper's own tensors (shardlib/simulate/optim.py)
+    params, grads, optimizer   the data-parallel wrappers' tensors and every parameter and .grad the
+                               modules hold (shardlib/simulate/optim.py)
     buffers                    parameters gathered for compute (ZeRO-3 units while whole)
     activations                what autograd saves for backward: a saved-tensor hook (PyTorch's
                                torch.autograd.graph.saved_tensors_hooks) adds a tensor's storage when
@@ -13,7 +14,8 @@ Four kinds of bytes, each counted from tensors that exist (distinct storages, vi
 Activations are exact at every saved tensor; the peak and where it happened (micro-batch, layer,
 forward or backward) come from there. The other kinds are read at every layer's forward end and
 backward start and end (buffers) or at each micro-batch's start and backward end (grads, which only
-a first backward or a ZeRO-2 bucket changes in between); `samples` keeps those points for a plot.
+a first backward or a ZeRO-2 bucket changes in between); `samples` keeps those points for a plot,
+each with the most activations held since the point before (a layer recomputed inside backward).
 """
 
 from __future__ import annotations
