@@ -62,7 +62,7 @@ def test_a_gpt_layer_keeps_what_korthikanti_counts():
     spec = ModelSpec(2, 2048, 16, 1024, 512, name="gpt")  # dropout, f = 4h, multi-head attention
     s, b, h, a, t = 512, 1, 2048, 16, 8
     sbh = s * b * h
-    for attention, scores in (("eager", 5 * a * s * s * b / t), ("flash", 0)):
+    for attention, scores in (("unfused", 5 * a * s * s * b / t), ("flash", 0)):
         kept = sum(x.nbytes for x in layer_anatomy(spec, Layout(tp=t), attention=attention))
         expected = sbh * (10 + 24 / t) + scores + _remainder(s, b, a // t, attention, s)
         assert kept == expected, f"{attention}: {kept:,} bytes kept, the paper counts {expected:,.0f}"
@@ -122,7 +122,7 @@ SMALL_LAYOUTS = {  # (model, layout, global batch, attention)
     "ring attention": (SMALL, Layout(dp=2, tp=2, cp=2, zero=1), 8, "flash"),
     "experts": (SMALL_MOE, Layout(dp=4, pp=2, ep=4, zero=1), 8, "flash"),
     "full recomputation": (ModelSpec(4, 256, 8, 1024, 256, name="gpt"), Layout(dp=2, tp=2, pp=2, zero=1,
-                                                                                   recompute="full"), 8, "eager"),
+                                                                                   recompute="full"), 8, "unfused"),
 }
 
 

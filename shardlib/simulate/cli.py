@@ -4,7 +4,7 @@ meta tensors and a fake process group, held against the planner (see `--help`).
     python -m shardlib simulate --model llama-70b --gpus 64 --tp 8 --pp 2 --dp 4 --zero 1
     python -m shardlib simulate --model llama-70b --gpus 64 --tp 8 --pp 2 --dp 4 --zero 1 --rank 63 --json
     python -m shardlib simulate --model gpt3-175b --gpus 1024 --tp 8 --pp 16 --dp 8 --zero 1 \\
-        --virtual-stages 3 --recompute full --attention eager --global-batch 1536
+        --virtual-stages 3 --recompute full --attention unfused --global-batch 1536
     python -m shardlib simulate --model mixtral-8x7b --gpus 64 --pp 4 --dp 16 --ep 8 --zero 1 --global-batch 64
 
 Exit code 0 when every quantity is within its target of the planner's (model states 1%, activation
@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sequence-parallel", choices=("yes", "no"), default="yes", help="with tp > 1 (default yes)")
     parser.add_argument("--cp-method", choices=CP_METHODS, default="ring")
     parser.add_argument("--attention", choices=ATTENTION, default="flash",
-                        help="flash: FlashAttention, no scores kept (default); eager: scores kept, as before it")
+                        help="flash: FlashAttention, no scores kept (default); unfused: scores kept, as before it")
     parser.add_argument("--rank", type=int, action="append", help="the rank to simulate (repeatable; default 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return parser

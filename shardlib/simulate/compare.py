@@ -5,7 +5,7 @@ sent of a GPU of pipeline stage k, from the formulas of shardlib/plan/cost.py; t
 the same quantities from the tensors and calls the code made (run.py). Both describe one layout, so
 their ratio says which formula, or which piece of code, is off. With attention="flash" (meta.py)
 no s x s scores are kept: the planner counts FlashAttention as selective recomputation (its own
-rule, cost.py), so a layout without recomputation is predicted as "selective"; "eager" attention
+rule, cost.py), so a layout without recomputation is predicted as "selective"; "unfused" attention
 keeps them, as the planner's no-recomputation formula does.
 """
 

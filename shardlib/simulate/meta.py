@@ -12,7 +12,7 @@ operations that a GPU runs as one fused kernel; `gpu_kernels_on_meta` gives meta
   backward and recomputes the s x s scores there. On meta it takes the math path, which keeps the
   scores in fp32. attention="flash" sends the call to the FlashAttention operator itself
   (torch.ops.aten._scaled_dot_product_flash_attention, which has a meta kernel and a derivative),
-  so the tensors autograd saves are the GPU's. attention="eager" runs attention as GPUs did before
+  so the tensors autograd saves are the GPU's. attention="unfused" runs attention as GPUs did before
   it (Megatron-LM in 2021, arXiv 2104.04473): q k^T, the causal softmax, dropout, times v, keeping
   the 16-bit softmax, the dropout mask and its output (5 a s^2 b bytes, arXiv 2205.05198).
 - Dropout. On a GPU F.dropout is the fused native_dropout kernel, which keeps a 1-byte mask;
@@ -43,13 +43,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 __all__ = ["meta_execution", "MetaShapeCache", "gpu_kernels_on_meta", "ATTENTION"]
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
-ATTENTION = ("flash", "eager")
+ATTENTION = ("flash", "unfused")  # the planner's names (shardlib.plan.predict)
 
 
 @contextmanager
 def gpu_kernels_on_meta(attention: str = "flash"):
     """Inside: on meta tensors F.scaled_dot_product_attention runs as the FlashAttention kernel (or
-    eagerly), F.rms_norm as the fused RMSNorm kernel, F.dropout as native_dropout; on other tensors
+    written out), F.rms_norm as the fused RMSNorm kernel, F.dropout as native_dropout; on other tensors
     they are untouched. The functions of torch.nn.functional are replaced for the duration (a mode would
     not reach the forwards that recomputation runs inside backward), and put back after."""
     if attention not in ATTENTION:
@@ -59,7 +59,7 @@ def gpu_kernels_on_meta(attention: str = "flash"):
     def attention_on_meta(q, k, v, *args, **kwargs):
         if not q.is_meta:
             return originals["scaled_dot_product_attention"](q, k, v, *args, **kwargs)
-        return (_flash_attention if attention == "flash" else _eager_attention)(q, k, v, *args, **kwargs)
+        return (_flash_attention if attention == "flash" else _unfused_attention)(q, k, v, *args, **kwargs)
 
     def rms_norm_on_meta(x, *args, **kwargs):
         return _rms_norm(x, *args, **kwargs) if x.is_meta else originals["rms_norm"](x, *args, **kwargs)
@@ -90,7 +90,7 @@ def _flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
 
 
-def _eager_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def _unfused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     if attn_mask is not None:
         raise ValueError("attention on meta tensors here is causal or unmasked: no attn_mask")
     if k.shape[1] != q.shape[1]:

@@ -43,7 +43,7 @@ class Simulation:
     layout: Layout
     rank: int
     global_batch: int
-    attention: str  # "flash" or "eager"
+    attention: str  # "flash" or "unfused"
     coords: dict  # pp, dp, cp, tp, ep indices
     n_micro: int  # m: micro-batches per step
     layers: list[list[int]]  # each chunk's layers
@@ -99,7 +99,7 @@ def _schedule(layout: Layout):
 def simulate(spec: ModelSpec, layout: Layout, *, rank: int = 0, global_batch: int, attention: str = "flash",
              keep_gathered_input: bool = False, gpus_per_node: int = 8) -> Simulation:
     """Run rank `rank`'s step of `layout` (shardlib.plan.Layout) for `spec` with `global_batch` sequences.
-    attention: "flash" (as GPUs run it today) or "eager" (scores kept, as before FlashAttention; meta.py).
+    attention: "flash" (as GPUs run it today) or "unfused" (scores kept, as before FlashAttention; meta.py).
     keep_gathered_input: sequence parallelism keeps the gathered inputs of the column layers for backward
     (shardlib/parallel/sequence.py) instead of their shards.
     Bad layouts are refused with the planner's own checks (check_layout), before anything runs."""
