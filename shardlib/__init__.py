@@ -7,6 +7,7 @@
     inference/   generation and serving under each layout (lessons 06, 10)
     compress/    quantization and pruning (lesson 07)
     plan/        the layout planner and its command line (lesson 06)
+    simulate/    one rank of a large job run by the techniques on meta tensors, against the planner (lesson 14)
     finetune/    fine-tuning a real model with Accelerate + FSDP (lesson 08)
     checks/      every technique against a single-device reference: `python -m shardlib verify`, `bench`
     profile/     torch.profiler traces of every rank, merged for Perfetto, read back (`shardlib.trace`, lesson 13)

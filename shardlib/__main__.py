@@ -1,4 +1,4 @@
-"""Command line: `python -m shardlib verify | bench | trace | plan | labs | lessons | doctor | grade`."""
+"""Command line: `python -m shardlib verify | bench | trace | plan | simulate | labs | lessons | doctor | grade`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ def main(argv: list[str] | None = None) -> int:
         from shardlib.plan.cli import main as plan_main
 
         return plan_main(argv[1:])
+    if argv[:1] == ["simulate"]:  # simulate has its own options (python -m shardlib simulate --help)
+        from shardlib.simulate.cli import main as simulate_main
+
+        return simulate_main(argv[1:])
     if argv[:1] == ["doctor"]:  # doctor has its own options (python -m shardlib doctor --help)
         from shardlib.course.doctor import main as doctor_main
 
@@ -58,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
     commands.add_parser("trace", help="one step of a technique under torch.profiler, every rank, merged (trace --help)")
     commands.add_parser("plan", help="rank dp/tp/pp/ZeRO layouts for a model on a cluster (plan --help)")
+    commands.add_parser("simulate", help="one rank of a large job, run by shardlib's code on meta tensors, "
+                        "against the planner (simulate --help)")
     commands.add_parser("doctor", help="versions, GPUs, and the device each lesson will use here (doctor --help)")
     commands.add_parser("grade", help="run a lab in a fresh kernel and score its checks (grade LAB.ipynb --help)")
 

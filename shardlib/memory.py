@@ -328,7 +328,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _storage_key(t: torch.Tensor):
     s = _local(t).untyped_storage()  # a DTensor: its local shard
-    return (t.device, s.data_ptr()), s.nbytes()
+    where = s._cdata if t.is_meta else s.data_ptr()  # meta storages have no address: tell them apart by object
+    return (t.device, where), s.nbytes()
 
 
 def unique_storage_bytes(tensors) -> int:

@@ -32,7 +32,8 @@ zero-bubble schedule splits each backward into B and W, which needs
 
 A stage is any nn.Module with `stage_index`, `num_stages`, `is_first`, `is_last`,
 `forward(input)`, `loss(output, target)` (used on the last stage) and
-`activation_shape(microbatch_input)` (the shape a non-first stage receives); `GPTStage` cuts
+`activation_shape(microbatch_input)` (the shape a non-first stage receives), and optionally
+`activation_dtype` (default: its first parameter's dtype); `GPTStage` cuts
 the course's GPT into such stages.
 """
 
@@ -244,7 +245,8 @@ class _Run:
 def _forward(run: _Run, i: int, c: int, x: torch.Tensor, target: torch.Tensor, device) -> tuple[float, float]:
     stage = run.chunks[c]
     if not stage.is_first:
-        x = torch.empty(stage.activation_shape(x), dtype=next(stage.parameters()).dtype, device=device)  # (b/m, T, h)
+        dtype = getattr(stage, "activation_dtype", None) or next(stage.parameters()).dtype  # ZeRO-3: not the shards'
+        x = torch.empty(stage.activation_shape(x), dtype=dtype, device=device)  # (b/m, T, h)
         ops.recv(x, run.prev_rank, group=run.group)
         x.requires_grad_()
     with record_function(f"stage {stage.stage_index} F micro-batch {i}"):  # the span of the timeline's Event
@@ -257,7 +259,7 @@ def _forward(run: _Run, i: int, c: int, x: torch.Tensor, target: torch.Tensor, d
     run.stash[i, c] = (x, out, sum(saved.storages.values()) if saved else 0)
     run.account()
     if stage.is_last:
-        run.loss_sum += out.item()
+        run.loss_sum += float("nan") if out.is_meta else out.item()  # a meta tensor has a shape, no value
     else:
         payload = out.detach()  # (b/m, T, h)
         run.sends.append((ops.isend(payload, run.next_rank, group=run.group), payload))

@@ -126,7 +126,7 @@ class MixedPrecisionOptimizer:
             for g in grads:
                 ops.all_reduce(g, group=self.group)  # sum over ranks, fp32, in place, same shape
         divisor = self.loss_scale * world_size
-        found_inf = not all(torch.isfinite(g).all() for g in grads)
+        found_inf = not all(g.is_meta or torch.isfinite(g).all() for g in grads)  # meta: shapes only, no values
         if self.scaler is not None:
             self.scaler.update(found_inf)
         if found_inf:
