@@ -6,7 +6,8 @@
     python3 course.py test [ARGS] set up .venv if needed, then run all tests
                                   (pytest over tests/, nbval over notebooks/; the lab solutions run in tests/test_labs.py);
                                   ARGS go to pytest, e.g. `-x`, `-k ring`, `-m "not slow"` (the fast tier),
-                                  or paths to run only those
+                                  or paths to run only those; two workers share the files (pytest-xdist),
+                                  `-n 0` or `-p no:xdist` runs them one at a time in one process
     python3 course.py labs [ARGS] regenerate labs/ from solutions/ (`python -m shardlib labs`)
     python3 course.py site [DIR]  build the course's website from the executed notebooks into DIR
                                   (default build/site; open DIR/index.html); installs the `site` extra
@@ -68,7 +69,21 @@ PYTEST_OPTIONS = [
     "--nbval-cell-timeout=900",
     "--nbval-kernel-startup-timeout=300",
 ]
+# Two workers (pytest-xdist), one per core of the 2-core machine the suite is sized for: much of the
+# suite waits (kernels and ranks starting, timeouts, emulated devices), and the other worker runs
+# meanwhile. Each file runs whole on one worker, in its order (a notebook's cells share one kernel, a
+# module's fixtures are made once); tests/conftest.py hands the files out longest first.
+WORKERS = ["-n", "2", "--dist", "loadfile", "--no-loadscope-reorder"]
+SERIAL = {"-pno:xdist", "--pdb", "--trace"}  # pytest-xdist off (also `-p no:xdist`), a debugger at the terminal
+
 TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MPLBACKEND": "Agg"}
+
+
+def worker_options(extra: list) -> list:
+    """WORKERS, unless the arguments run the tests serially (`-p no:xdist`, a debugger); `-n 0` needs
+    nothing here: it comes after WORKERS, and pytest takes the last."""
+    pairs = zip(extra, [*extra[1:], ""])
+    return [] if any(arg in SERIAL or (arg, value) == ("-p", "no:xdist") for arg, value in pairs) else WORKERS
 
 
 def say(message: str) -> None:
@@ -348,7 +363,7 @@ def run_tests(python: Path, extra: list) -> int:
         env.setdefault(name, value)
     say("running the tests: pytest over tests/ (lab solutions included), nbval over notebooks/"
         if paths else "running the tests you named")
-    return call([python, "-m", "pytest", *paths, *PYTEST_OPTIONS, *extra], env=env)
+    return call([python, "-m", "pytest", *paths, *PYTEST_OPTIONS, *worker_options(extra), *extra], env=env)
 
 
 def refresh_lock() -> int:

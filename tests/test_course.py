@@ -129,6 +129,22 @@ def test_test_command_with_k_still_runs_tests_and_notebooks(monkeypatch):
     assert called[0][:5] == ["python", "-m", "pytest", "tests", "notebooks"] and called[0][-2:] == ["-k", "tests"]
 
 
+def test_the_tests_run_on_two_workers_unless_the_arguments_ask_for_one_process(monkeypatch):
+    """pytest-xdist's options come before the user's (a later `-n 0` wins); `-p no:xdist` and a debugger
+    would make pytest refuse them, so then they are left out."""
+    course = load_course()
+    called = []
+    monkeypatch.setattr(course, "call", lambda command, **kwargs: called.append([str(p) for p in command]) or 0)
+    for extra in ([], ["-x", "-k", "ring"], ["-m", "gpu"], ["tests/test_course.py"], ["-n", "0"], ["-p", "no:cacheprovider"]):
+        course.run_tests(Path("python"), extra)
+        at = called[-1].index("-n")
+        assert called[-1][at:at + len(course.WORKERS)] == course.WORKERS and called[-1][-len(extra) or len(called[-1]):] == extra
+    for extra in (["-p", "no:xdist"], ["-pno:xdist"], ["-x", "--pdb"], ["--trace"]):
+        course.run_tests(Path("python"), extra)
+        assert not set(course.WORKERS) & set(called[-1][:len(called[-1]) - len(extra)]), called[-1]
+    assert course.WORKERS[:2] == ["-n", "2"] and "loadfile" in course.WORKERS
+
+
 def test_cpu_torch_installs_pytorchs_cpu_build_at_pyprojects_version_first(course, tmp_path: Path):
     import tomllib
 
