@@ -31,7 +31,6 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
-import torch._dynamo  # noqa: F401 - torch.optim imports it on first use: once here, not in every forked rank
 import torch.distributed as dist
 import torch.nn as nn
 
