@@ -20,11 +20,12 @@ What a record counts, for a tensor of S bytes on a group of n ranks (ring algori
     all-reduce             2(n-1)/n * S                                             ring model
     all-gather             (n-1)/n * S   (S: the gathered output)                   ring model
     reduce-scatter         (n-1)/n * S   (S: the full input)                        ring model
-    broadcast              S                                                        chain model
+    broadcast              S on every rank (a chain's last rank sends nothing)      upper bound
     all-to-all             the input less the part a rank keeps for itself          exact
 
 For PyTorch's collectives the ring model is what the ledger charges; the backend may pick another
-algorithm for small tensors (gloo and NCCL do), which changes time, not the bytes the formulas count.
+algorithm for small tensors (gloo and NCCL do), which changes the time and the bytes really sent, not
+what the ledger counts.
 """
 
 from __future__ import annotations

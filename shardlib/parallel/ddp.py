@@ -28,7 +28,8 @@ Per rank, in the course notation (Psi parameters, N ranks):
                    master copy, m, v; ZeRO paper, arXiv 1910.02054), NOT divided by N,
                    + the buckets: one more copy of the gradients (2 Psi bytes in bf16, 4 Psi in fp32)
     communication  2(N-1)/N * Psi elements sent per step (ring all-reduce of every gradient),
-                   in about Psi*bytes / bucket_bytes all-reduces (naive: one per parameter tensor)
+                   in at most about Psi*bytes / bucket_bytes all-reduces (a bucket closes once it
+                   holds bucket_bytes or more; naive: one per parameter tensor)
 
 Inputs, handled or refused:
 - parameters with requires_grad=False are broadcast but never bucketed nor reduced;
