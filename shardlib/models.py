@@ -11,7 +11,7 @@ shaped so that every technique in the course has something to split:
 Parameter count of the GPT (h = n_embd, L = n_layer, V = vocab_size, T = seq_len,
 biases and LayerNorms included):
 
-    Psi = V*h + T*h + L*(12*h^2 + 12*h) + 2*h + h*V        (untied output head)
+    Psi = V*h + T*h + L*(12*h^2 + 12*h) + 2*h + h*V        (untied output head; tie_embeddings: no h*V)
 
 The key projection has no bias: q . (k + b) shifts every score of a query's row by the same
 q . b, which softmax ignores, so that bias would get an exactly zero gradient (its computed
@@ -97,6 +97,8 @@ class GPTConfig:
     top_k: int = 1
     capacity_factor: float = 1.25
     aux_loss_coef: float = 0.01
+    # the output layer shares the embedding's (V, h) weight (GPT-2, GPT-3; Press and Wolf, arXiv 1608.05859)
+    tie_embeddings: bool = False
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -119,7 +121,8 @@ class GPTConfig:
         h, L, V, T = self.n_embd, self.n_layer, self.vocab_size, self.seq_len
         moe = L * ((self.n_experts - 1) * (8 * h * h + 5 * h) + h * self.n_experts) if self.n_experts else 0
         gqa = L * (2 * h + 1) * (self.kv_heads * (h // self.n_head) - h)  # k, v weights and v bias shrink to h_kv
-        return V * h + T * h + L * (12 * h * h + 12 * h) + 2 * h + h * V + moe + gqa  # moe: E MLPs and a router
+        head = 0 if self.tie_embeddings else h * V  # tied: the embedding's weight serves as the output layer
+        return V * h + T * h + L * (12 * h * h + 12 * h) + 2 * h + head + moe + gqa  # moe: E MLPs and a router
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -183,6 +186,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight  # one (V, h) Parameter, input and output
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
             if name.endswith(("o_proj.weight", "mlp.proj.weight", "mlp.w2")):

@@ -219,3 +219,32 @@ def test_1f1b_equals_torch_pipelining():
             assert rel <= 1e-6, f"{name}: gradients {rel:.1e} apart, more than 1e-6 relative"
         if rank == 1:
             assert loss == pytest.approx(sum(losses) / m, rel=1e-6)
+
+
+def _tied_gradients(sync: bool):
+    from shardlib.parallel.tied_embeddings import embedding_group, sync_tied_embeddings
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    config = GPTConfig(seq_len=16, n_layer=2, n_head=4, n_embd=32, tie_embeddings=True)
+    stage = gpt_stage(build_gpt(config).double(), rank, p)
+    group = embedding_group([list(range(p))], rank)
+    tokens = torch.randint(0, 256, (4, config.seq_len + 1), generator=torch.Generator().manual_seed(2))
+    pipeline_step(stage, (tokens[:, :-1], tokens[:, 1:]), 2, "1f1b")
+    if sync:
+        sync_tied_embeddings(stage, group=group)
+    return stage.tied_embedding().grad
+
+
+def test_tied_embeddings_on_two_stages_get_the_shared_gradient():
+    # one device: the (V, h) matrix is one Parameter, its gradient the embedding's plus the output layer's
+    config = GPTConfig(seq_len=16, n_layer=2, n_head=4, n_embd=32, tie_embeddings=True)
+    model = build_gpt(config).double()
+    assert model.lm_head.weight is model.tok_emb.weight
+    tokens = torch.randint(0, 256, (4, config.seq_len + 1), generator=torch.Generator().manual_seed(2))
+    loss = sum(model(x, y)[1] for x, y in zip(tokens[:, :-1].chunk(2), tokens[:, 1:].chunk(2))) / 2
+    loss.backward()
+    first, last = launch(_tied_gradients, 2, args=(True,), timeout=120)
+    torch.testing.assert_close(first, model.tok_emb.weight.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(last, model.tok_emb.weight.grad, rtol=1e-9, atol=1e-12)
+    unsynced = launch(_tied_gradients, 2, args=(False,), timeout=120)  # each end alone has only its part
+    assert all((g - model.tok_emb.weight.grad).abs().max() > 1e-6 for g in unsynced), "without the sum"

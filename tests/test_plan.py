@@ -311,32 +311,43 @@ def test_zero_figure_1_through_the_planner():
 def test_activations_follow_korthikanti_table_2():
     # arXiv 2205.05198, Table 2, bytes per layer: no parallelism s b h (34 + 5 a s / h); tensor parallel
     # s b h (10 + 24/t + 5 a s/(h t)); + sequence parallel s b h / t (34 + 5 a s / h); selective + SP
-    # 34 s b h / t; full recomputation 2 s b h, and while recomputing one layer its whole activations.
-    # Plus the last stage's fp32 logits, s b V / t numbers.
+    # 34 s b h / t; full recomputation 2 s b h, and while recomputing one layer its activations (less its input,
+    # the kept one). Plus the last stage's output layer (Sec. 4.3): the final norm's and the output layer's inputs,
+    # 4 s b h (/ t with sequence parallelism), and the fp32 logits, s b V / t numbers.
     spec = ModelSpec(n_layer=4, hidden=1024, n_head=16, vocab_size=32000, seq_len=2048)
     s, b, h, a, L, V, t = 2048, 2, 1024, 16, 4, 32000, 4
     cluster = Cluster.of(4)
-    logits = 4 * s * b * V / t
+    logits, head = 4 * s * b * V / t, 4 * s * b * h
     no_recompute = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
     cases = {
         Layout(tp=4, micro_batch=b): L * no_recompute,
         Layout(tp=4, micro_batch=b, sequence_parallel=True): L * s * b * h / t * (34 + 5 * a * s / h),
         Layout(tp=4, micro_batch=b, recompute="selective", sequence_parallel=True): L * 34 * s * b * h / t,
         Layout(tp=4, micro_batch=b, recompute="selective"): L * s * b * h * (10 + 24 / t),
-        Layout(tp=4, micro_batch=b, recompute="full"): L * 2 * s * b * h + no_recompute,
     }
     for layout, per_stage in cases.items():  # the paper's attention writes the scores out
         got = predict(spec, cluster, layout, b, attention="unfused").activation_bytes
-        assert got == pytest.approx(per_stage + logits), layout
+        output_layer = logits + head / (t if layout.sequence_parallel else 1)
+        assert got == pytest.approx(per_stage + output_layer), layout
+    # full recomputation: the loss's backward frees the output layer's tensors before the last layer is recomputed
+    full = predict(spec, cluster, Layout(tp=4, micro_batch=b, recompute="full"), b, attention="unfused")
+    assert full.activation_bytes == pytest.approx(L * 2 * s * b * h + max(no_recompute - 2 * s * b * h, logits + head))
     one = predict(spec, Cluster.of(1), Layout(micro_batch=b), b, attention="unfused").activation_bytes
-    assert one == pytest.approx(L * s * b * h * (34 + 5 * a * s / h) + 4 * s * b * V)
+    assert one == pytest.approx(L * s * b * h * (34 + 5 * a * s / h) + 4 * s * b * V + head)
     flash = predict(spec, cluster, Layout(tp=4, micro_batch=b, sequence_parallel=True), b).activation_bytes
-    assert flash == pytest.approx(L * 34 * s * b * h / t + logits), "FlashAttention keeps no scores: as selective"
+    assert flash == pytest.approx(L * 34 * s * b * h / t + logits + head / t), "FlashAttention keeps no scores"
     # a Llama layer (no dropout, grouped-query attention r = kv/heads, gated MLP): (8) + (4 + 4 r + 6 f/h) per token
     llama = replace(ModelSpec.preset("llama-70b", seq_len=s), n_layer=L)
     r, f = 8 / 64, 28672 / 8192
     got = predict(llama, cluster, Layout(tp=4, micro_batch=b, sequence_parallel=True), b).activation_bytes
-    assert got == pytest.approx(L * s * b * 8192 / t * (8 + 4 + 4 * r + 6 * f) + 4 * s * b * 32000 / t)
+    assert got == pytest.approx(L * s * b * 8192 / t * (8 + 4 + 4 * r + 6 * f) + 4 * s * b * (32000 + 8192) / t)
+    # a MoE layer (Mixtral: top 2, capacity factor 1): in place of the MLP, per expert place the expert's input and
+    # its SwiGLU terms, per choice the expert's output the combine weighs by its gate
+    mixtral = replace(ModelSpec.preset("mixtral-8x7b", seq_len=s), n_layer=L)
+    k, f = 2, 14336 / 4096
+    got = predict(mixtral, Cluster.of(1), Layout(micro_batch=b), b).activation_bytes
+    assert got == pytest.approx(L * s * b * 4096 * (8 + 4 + 4 * 8 / 32 + k * (2 + 6 * f) + 2 * k)
+                                + 4 * s * b * (32000 + 4096))
 
 
 def test_1f1b_and_interleaved_pipelines():
@@ -347,7 +358,7 @@ def test_1f1b_and_interleaved_pipelines():
     first = [predict(spec, cluster, Layout(pp=4, micro_batch=1), m, stage=0).activation_bytes for m in (1, 2, 4, 16)]
     assert first[1] == pytest.approx(2 * first[0]) and first[2] == pytest.approx(4 * first[0]) == first[3]
     last = predict(spec, cluster, Layout(pp=4, micro_batch=1), 16, stage=3)
-    assert last.activation_bytes == pytest.approx(first[0] + 4 * 1024 * 1 * 32000)  # 1 micro-batch + fp32 logits
+    assert last.activation_bytes == pytest.approx(first[0] + 4 * 1024 * 1 * (32000 + 1024))  # 1 + the output layer
     time = last.costs.time
     assert time.bubble == pytest.approx((time.compute + time.elementwise + time.tp) * 3 / 16)
     interleaved = predict(spec, cluster, Layout(pp=4, micro_batch=1, virtual_stages=2), 16, stage=3)

@@ -143,7 +143,7 @@ def test_a_block_that_keeps_the_gathered_input_is_flagged():
     spec, layout = ModelSpec(4, 512, 8, 1024, 512, name="gpt"), Layout(dp=2, tp=4, pp=2, zero=1, sequence_parallel=True)
     assert not _off(simulate(spec, layout, global_batch=4)), "the real sequence-parallel block"
     off = _off(simulate(spec, layout, global_batch=4, keep_gathered_input=True))
-    assert [x.split(":")[0] for x in off] == ["activation peak", "sent tp"], off  # more kept, no gathers again
+    assert [x.split(":")[0] for x in off] == ["activation peak", "sent tp all_gather"], off  # more kept, no gathers again
 
 
 def test_zero2_that_keeps_the_full_gradients_is_flagged(monkeypatch):
@@ -175,7 +175,8 @@ def test_simulate_command_line(tmp_path, capsys):
                           "--rank", "7", "--json"])
     (result,) = json.loads(capsys.readouterr().out)
     assert code == 0 and result["rank"] == 7 and result["coords"]["pp"] == 1, result
-    assert {r["quantity"] for r in result["against_planner"]} >= {"model states", "activation peak", "sent tp"}
+    assert {r["quantity"] for r in result["against_planner"]} >= {"model states", "activation peak",
+                                                                "sent tp all_reduce", "sent pp send"}
     with pytest.raises(SystemExit):
         simulate_main(["--model", str(config), "--gpus", "8", "--tp", "3"])
     assert "dp * cp * tp * pp must be the 8 GPUs" in capsys.readouterr().err

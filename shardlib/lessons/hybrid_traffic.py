@@ -53,11 +53,13 @@ def expected_records(mesh: Mesh, zero3: bool, m: int, batch: int = BATCH, config
     out = {}
     if t > 1:  # per micro-batch: embedding g, 2 g per block, 3 loss sums forward; 2 f per block, head f backward
         forward = [("all_reduce", b * s * h)] * (first + 2 * L) + [("all_reduce", b * s)] * (3 * last)
-        out["tp"] = sorted((forward + [("all_reduce", b * s * h)] * (2 * L + last)) * m)
-    if p > 1:  # per micro-batch, one (b, s, h) activation forward and its gradient back
+        # each (b, s, h) received from a neighbouring stage as t pieces, all-gathered (scatter/gather)
+        received = [("all_gather", b * s * h)] * ((not first) + (not last)) if p > 1 else []
+        out["tp"] = sorted((forward + [("all_reduce", b * s * h)] * (2 * L + last) + received) * m)
+    if p > 1:  # per micro-batch, one (b, s, h) activation forward and its gradient back: 1/t from each tp rank
         neighbours = mesh.ranks("pp")  # global ranks of the stages, in stage order
-        sends = (([] if last else [(neighbours[stage + 1], b * s * h)])
-                 + ([] if first else [(neighbours[stage - 1], b * s * h)]))
+        sends = (([] if last else [(neighbours[stage + 1], b * s * h // t)])
+                 + ([] if first else [(neighbours[stage - 1], b * s * h // t)]))
         out["pp"] = sorted(sends * m)
     block, rest = unit_parameters(config, t, first, last)
     units = [block] * L + [rest]

@@ -9,6 +9,7 @@
     pipeline.py        pipeline parallelism: stages, micro-batches, one training step (lessons 05, 13)
     schedules.py       naive, GPipe, 1F1B, interleaved 1F1B and zero-bubble schedules; bubbles (lessons 05, 13)
     split_backward.py  backward split into input and weight gradients, for zero-bubble schedules (lesson 13)
+    tied_embeddings.py an embedding tied to the output layer across pipeline stages: the two ends' gradients summed
     hybrid.py          the techniques composed on a mesh: DP x TP x PP, ZeRO-3 x TP, HSDP (lesson 06)
     context.py         context parallelism: who holds which tokens (contiguous, zigzag), formulas (lesson 11)
     ring_attention.py  ring attention: K, V blocks around the ring, online-softmax merge (lesson 11)

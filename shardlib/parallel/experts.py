@@ -112,6 +112,22 @@ def _buffer_index(routing: Routing) -> torch.Tensor:
     return torch.where(routing.kept, index, 0)  # dropped: any valid row, weighted 0 in combine
 
 
+class _IntoBuffer(torch.autograd.Function):
+    """Token copies added into buffer rows by index; backward gathers each copy's gradient back from its row.
+    Only the index is kept for backward (autograd's index_add keeps the copies too, (B s k, h) of them, though
+    its gradient needs none of their values), as Megatron-Core's token permutation keeps its indices."""
+
+    @staticmethod
+    def forward(ctx, tokens, index, rows: int):  # (n, h), (n,) -> (rows, h)
+        ctx.save_for_backward(index)
+        return tokens.new_zeros(rows, tokens.shape[1]).index_add_(0, index, tokens)
+
+    @staticmethod
+    def backward(ctx, grad):  # (rows, h) -> (n, h)
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None
+
+
 def dispatch(x: torch.Tensor, routing: Routing) -> torch.Tensor:
     """Group tokens by expert: x (B, s, h) -> buffer (E, B c, h), zero where a place stays empty."""
     B, s, h = x.shape
@@ -120,7 +136,7 @@ def dispatch(x: torch.Tensor, routing: Routing) -> torch.Tensor:
     kept = routing.kept.reshape(-1)  # (B s k,)
     tokens = x.unsqueeze(2).expand(B, s, k, h).reshape(-1, h).masked_fill(~kept.unsqueeze(1), 0.0)  # (B s k, h)
     # a dropped assignment adds zeros (to row 0, its index): no shape depends on the routing, so meta tensors run
-    buffer = x.new_zeros(E * B * c, h).index_add(0, _buffer_index(routing).reshape(-1), tokens)
+    buffer = _IntoBuffer.apply(tokens, _buffer_index(routing).reshape(-1), E * B * c)  # (E B c, h)
     return buffer.view(E, B * c, h)
 
 

@@ -6,8 +6,11 @@ arXiv 2104.04473). For the course GPT on a mesh with dimensions among pp, dp, tp
 
     tp  the layers split t ways (shardlib/parallel/tensor_gpt.py)             on mesh.group("tp")
     pp  the blocks cut into p stages (shardlib/parallel/pipeline.py)       on mesh.group("pp"); a stage of a
-        tensor-parallel model is itself split t ways, and sends its (b/m, s, h) activation to the
-        rank with the same tp index in the next stage
+        tensor-parallel model is itself split t ways, and each of its t ranks sends 1/t of the
+        (b/m, s, h) activation to the rank with the same tp index in the next stage, which
+        all-gathers the pieces over tp (Megatron-LM's scatter/gather, arXiv 2104.04473, Section 4.1);
+        a model with tied embeddings sums the gradients of the two ends' copies over the group of the
+        first and the last stage (shardlib/parallel/tied_embeddings.py)
     dp  the global batch cut d ways; gradients averaged           on mesh.group("dp")
         (shardlib/parallel/ddp.py), or, with zero3=True, the (tensor-parallel) parameters fully
         sharded over it (shardlib/parallel/fsdp.py: ZeRO-3 x TP)
@@ -25,14 +28,13 @@ Per rank, Psi parameters, B global batch, m micro-batches, b = B/(d m) examples 
                    (tp_gpt.py); ZeRO-3 over dp: 16 Psi_r / d; HSDP: 16 Psi / s
     tp group       per micro-batch and block of the stage: 2 all-reduces of b s h forward,
                    2 backward; the embedding, output head and loss add theirs (tensor_parallel.py)
-    pp group       per micro-batch: b s h elements to each neighbouring stage (activation forward,
-                   gradient backward)
+    pp group       per micro-batch: b s h / t elements to each neighbouring stage (activation forward,
+                   gradient backward), and an all-gather of b s h in the tp group for each one received;
+                   tied embeddings: an all-reduce of V h / t between the first and the last stage
     dp group       2(d-1)/d Psi_r elements per step (all-reduce); ZeRO-3: 3(d-1)/d Psi_r
     HSDP           3(s-1)/s Psi in the shard group, 2(r-1)/r Psi/s in the replicate group
 
-Not done here (Megatron-LM does): the scatter/gather optimisation of arXiv 2104.04473, Section
-4.1, where each of the t ranks of a stage sends 1/t of the boundary activation and the next stage
-all-gathers it over its fast links; ZeRO-3 combined with pipeline stages (refused).
+Not done here: ZeRO-3 combined with pipeline stages (refused).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from shardlib.parallel.ddp import all_reduce_gradients
 from shardlib.parallel.fsdp import full_state_dict as fsdp_full_state_dict
 from shardlib.parallel.fsdp import fully_shard
 from shardlib.parallel.pipeline import GPTStage, check_microbatches, gpt_stage, pipeline_step
+from shardlib.parallel.tied_embeddings import embedding_group, sync_tied_embeddings
 from shardlib.parallel.tensor_gpt import (
     TensorParallelGPT,
     check_tp_config,
@@ -126,6 +129,8 @@ class HybridGPT:
                 fully_shard(block, group=group)
             fully_shard(module, group=group)
         self.module = module
+        tied = p > 1 and model.config.tie_embeddings
+        self.embedding_group = embedding_group(mesh.groups_along("pp"), mesh.global_rank) if tied else None
 
     def data_parallel_rank_and_size(self) -> tuple[int, int]:
         """(index of this rank's replica among all data-parallel ranks, their number): the batch slice."""
@@ -142,8 +147,11 @@ class HybridGPT:
         Returns the mean loss over this replica's examples (None on pipeline stages but the last)."""
         inputs, targets = rank_slice(batch, *self.data_parallel_rank_and_size())  # (B/d, s) each
         if self.mesh.size("pp") > 1:
+            tp = self.mesh.group("tp") if self.mesh.size("tp") > 1 else None  # each tp rank sends 1/t
             loss = pipeline_step(self.module, (inputs, targets), n_microbatches, schedule,
-                                 group=self.mesh.group("pp"), measure_memory=False).loss
+                                 group=self.mesh.group("pp"), measure_memory=False, scatter_gather=tp).loss
+            if self.embedding_group is not None:
+                sync_tied_embeddings(self.module, group=self.embedding_group)
         else:
             check_microbatches(inputs.shape[0], n_microbatches)
             loss = 0.0

@@ -25,6 +25,17 @@ s sequence length, h hidden size, a heads, L layers):
                     b * s * h elements sent to each neighbour. No collective in the pipeline.
     bubble          idle fraction (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/p naive
 
+Under tensor parallelism the t ranks of a stage hold the same boundary activation. With
+`scatter_gather=tp_group` each sends only its 1/t of it to the rank with its tp index in the next
+stage, and the receivers all-gather the t pieces over their tensor-parallel group, which inside a
+node is NVLink (Megatron-LM's scatter/gather optimisation, Narayanan et al., arXiv 2104.04473,
+Section 4.1): (b/m) s h / t elements per message across the slow links, and one all-gather of
+(b/m) s h per message received. Under sequence parallelism the activation is already split
+(b/m, s/t, h) and differs by rank: send it as it is.
+
+Tied embeddings on two stages: shardlib/parallel/tied_embeddings.py (a stage says which weight it
+shares with the other end by `tied_embedding()`).
+
 Interleaved schedules give each rank v chunks (pass the list of the rank's chunks as `stage`:
 chunk c of rank s is virtual stage c*p + s of v*p, e.g. `gpt_stage(model, c*p + s, v*p)`); the
 zero-bubble schedule splits each backward into B and W, which needs
@@ -160,6 +171,13 @@ class GPTStage(nn.Module):
     def activation_shape(self, idx: torch.Tensor) -> tuple[int, ...]:
         return (idx.shape[0], idx.shape[1], self.config.n_embd)  # (b, T, h)
 
+    def tied_embedding(self) -> nn.Parameter | None:
+        """The weight this stage shares with the other end of the pipeline: the embedding on the first stage,
+        the output layer on the last, when the model ties them and they are on different stages; else None."""
+        if not self.config.tie_embeddings or self.is_first == self.is_last:
+            return None
+        return self.tok_emb.weight if self.is_first else self.lm_head.weight
+
 
 def gpt_stage(model: GPT, stage_index: int, num_stages: int, layers_per_stage: list[int] | None = None) -> GPTStage:
     """Cut `model` into `num_stages` stages and return stage `stage_index`.
@@ -228,6 +246,7 @@ class _Run:
     prev_rank: int  # global ranks of the neighbouring ranks (a chunk at virtual stage 0 or the last one ignores them)
     next_rank: int
     measure_memory: bool
+    scatter: object = None  # the tensor-parallel group the boundary tensors are scattered over, or None
     stash: dict = field(default_factory=dict)  # (micro-batch, chunk) -> (stage input, output or loss, saved bytes)
     weight_work: dict = field(default_factory=dict)  # (micro-batch, chunk) -> (deferred W work, its bytes)
     sends: list = field(default_factory=list)  # (Work, tensor): in flight until the step ends
@@ -242,13 +261,34 @@ class _Run:
         self.peak_bytes = max(self.peak_bytes, held)
 
 
+def _send(run: _Run, payload: torch.Tensor, peer: int) -> None:
+    """Send a boundary tensor (b/m, T, h) to `peer`: whole, or this tensor-parallel rank's 1/t of it."""
+    if run.scatter is not None:
+        rank, t = dist.get_rank(run.scatter), dist.get_world_size(run.scatter)
+        if payload.numel() % t:
+            raise ValueError(f"scatter/gather sends 1/{t} of each boundary tensor: its {payload.numel()} elements "
+                             f"must be a multiple of the tensor-parallel size (pass scatter_gather=None)")
+        payload = payload.reshape(-1).chunk(t)[rank]  # (b/m T h / t,): this rank's piece
+    run.sends.append((ops.isend(payload, peer, group=run.group), payload))
+
+
+def _receive(run: _Run, out: torch.Tensor, peer: int) -> torch.Tensor:
+    """Fill `out` (b/m, T, h) from `peer`: whole, or this rank's 1/t, then all-gathered over the tp group."""
+    if run.scatter is None:
+        ops.recv(out, peer, group=run.group)
+        return out
+    piece = out.new_empty(out.numel() // dist.get_world_size(run.scatter))  # (b/m T h / t,)
+    ops.recv(piece, peer, group=run.group)
+    ops.all_gather_into_tensor(out.view(-1), piece, group=run.scatter)  # the t pieces, in tp order
+    return out
+
+
 def _forward(run: _Run, i: int, c: int, x: torch.Tensor, target: torch.Tensor, device) -> tuple[float, float]:
     stage = run.chunks[c]
     if not stage.is_first:
         dtype = getattr(stage, "activation_dtype", None) or next(stage.parameters()).dtype  # ZeRO-3: not the shards'
-        x = torch.empty(stage.activation_shape(x), dtype=dtype, device=device)  # (b/m, T, h)
-        ops.recv(x, run.prev_rank, group=run.group)
-        x.requires_grad_()
+        x = _receive(run, torch.empty(stage.activation_shape(x), dtype=dtype, device=device), run.prev_rank)
+        x.requires_grad_()  # (b/m, T, h)
     with record_function(f"stage {stage.stage_index} F micro-batch {i}"):  # the span of the timeline's Event
         start = _now(device)
         with _SavedBytes(stage) if run.measure_memory else contextlib.nullcontext() as saved:
@@ -261,8 +301,7 @@ def _forward(run: _Run, i: int, c: int, x: torch.Tensor, target: torch.Tensor, d
     if stage.is_last:
         run.loss_sum += float("nan") if out.is_meta else out.item()  # a meta tensor has a shape, no value
     else:
-        payload = out.detach()  # (b/m, T, h)
-        run.sends.append((ops.isend(payload, run.next_rank, group=run.group), payload))
+        _send(run, out.detach(), run.next_rank)  # (b/m, T, h)
     return start, end
 
 
@@ -271,8 +310,7 @@ def _backward(run: _Run, i: int, c: int, device, split: bool) -> tuple[float, fl
     x, out, _ = run.stash.pop((i, c))
     grad = None
     if not stage.is_last:
-        grad = torch.empty_like(out)  # (b/m, T, h): d loss / d output
-        ops.recv(grad, run.next_rank, group=run.group)
+        grad = _receive(run, torch.empty_like(out), run.next_rank)  # (b/m, T, h): d loss / d output
     with record_function(f"stage {stage.stage_index} B micro-batch {i}"):
         start = _now(device)
         if split:
@@ -288,8 +326,7 @@ def _backward(run: _Run, i: int, c: int, device, split: bool) -> tuple[float, fl
         run.weight_work[i, c] = (work, pending_bytes(work) if run.measure_memory else 0)
     run.account()
     if not stage.is_first:
-        payload = x.grad.contiguous()  # (b/m, T, h): d loss / d input
-        run.sends.append((ops.isend(payload, run.prev_rank, group=run.group), payload))
+        _send(run, x.grad.contiguous(), run.prev_rank)  # (b/m, T, h): d loss / d input
     return start, end
 
 
@@ -315,7 +352,7 @@ def _check_chunks(chunks: list, s: int, p: int) -> int:
 
 
 def pipeline_step(stage, batch: tuple[torch.Tensor, torch.Tensor], n_microbatches: int,
-                  schedule="1f1b", *, group=None, measure_memory: bool = True) -> StepResult:
+                  schedule="1f1b", *, group=None, measure_memory: bool = True, scatter_gather=None) -> StepResult:
     """Forward and backward of one global batch through the pipeline; gradients accumulate in
     the stage's parameters (call optimizer.step() afterwards). Every rank of `group` calls it
     with its own stage: the group's rank r runs stage r. `batch` = (inputs, targets), the whole
@@ -329,6 +366,8 @@ def pipeline_step(stage, batch: tuple[torch.Tensor, torch.Tensor], n_microbatche
     (p, m, stage_index) -> [(op, i) or (op, i, chunk), ...].
     measure_memory: count the bytes autograd saves for each stashed micro-batch (a hook per
     saved tensor; turn off when timing against another implementation).
+    scatter_gather: the stage's tensor-parallel group, whose ranks hold the same boundary tensors: each
+    sends 1/t of them and the receivers all-gather (module docstring); None sends them whole.
     """
     s, p = dist.get_rank(group), dist.get_world_size(group)
     chunks = list(stage) if isinstance(stage, (list, tuple, nn.ModuleList)) else [stage]
@@ -349,7 +388,8 @@ def pipeline_step(stage, batch: tuple[torch.Tensor, torch.Tensor], n_microbatche
     if problems:
         raise ValueError("the schedule would match messages to the wrong receives: " + "; ".join(problems[:2]))
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    run = _Run(chunks, n_microbatches, group, ranks[(s - 1) % p], ranks[(s + 1) % p], measure_memory)
+    scatter = scatter_gather if scatter_gather is not None and dist.get_world_size(scatter_gather) > 1 else None
+    run = _Run(chunks, n_microbatches, group, ranks[(s - 1) % p], ranks[(s + 1) % p], measure_memory, scatter)
     x_mbs, y_mbs = inputs.chunk(n_microbatches), targets.chunk(n_microbatches)  # m x (b/m, ...)
     device, timeline = inputs.device, []
     ops.barrier(group)

@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardlib.comm import ops
-from shardlib.models import GPT, GPTConfig, repeat_kv
+from shardlib.models import GPT, GPTConfig
 from shardlib.parallel.recompute import recompute as recompute_in_backward
 from shardlib.parallel.tensor import (
     ColumnParallelLinear,
@@ -212,8 +212,11 @@ class ParallelSelfAttention(nn.Module):
         return self.o_proj(y)  # (B, T, C), or (B, T/t, C) under SP
 
     def core(self, q, k, v):  # (B, nh/t, T, hd), (B, n_kv/t, T, hd) x 2 -> (B, nh/t, T, hd)
-        k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])  # (B, nh/t, T, hd)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        # grouped-query attention: the kernel reads each kv head for its n_head/n_kv query heads (enable_gqa,
+        # https://pytorch.org/docs/stable/generated/torch.nn.functional.scaled_dot_product_attention.html), so k
+        # and v are kept for backward at their own size, not as repeated copies
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
 
 class ParallelBlock(nn.Module):
@@ -254,6 +257,8 @@ class TensorParallelGPT(nn.Module):
         self.ln_f = nn.LayerNorm(h)
         self.lm_head = ColumnParallelLinear(h, config.vocab_size, bias=False, group=group, sequence_parallel=sp,
                                             keep_gathered_input=keep)
+        if config.tie_embeddings:  # both split by vocabulary rows: one (V/t, h) Parameter on each rank
+            self.lm_head.weight = self.tok_emb.weight
         if sequence_parallel:
             _mark_sequence_parallel(self.pos_emb, self.ln_f)
 

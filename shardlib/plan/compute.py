@@ -16,6 +16,7 @@ Memory-bound kernels between the products, 16-bit, per layer forward: 2 norms (r
 with unfused attention not recomputed selectively, 13 a s^2 b of scores (Q K^T output 2, softmax 4,
 dropout 5, read by A V 2); backward moves twice the forward's bytes.
 Activations: spec.activation_terms() (shardlib/plan/model.py), s b h bytes times each term.
+The output layer (T, ceil(V / t), h): the vocabulary padded to a multiple of t.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ from shardlib.plan.gemm import forward_backward_seconds
 FLASH_FRACTION = 0.615 / 0.859  # FlashAttention-2 on A100: 50-73% of peak (midpoint), a large product 85.9%
 LOSS_BYTES = 2 + 4 + 4 + 4 + 8 + 6  # per logit, the cross-entropy's passes (output_layer_seconds)
 FLASH_BACKWARD = 2.5  # FLOPs of FlashAttention's backward over its forward: 5 products of the forward's 2
+OUTPUT_LAYER_INPUTS = 4  # s b h bytes the last stage keeps: the final norm's input and the output layer's (Sec. 4.3)
+
+
+def vocab_rows(spec, t):
+    """Rows of the embedding and of the output layer on each of t tensor-parallel ranks (a column): ceil(V / t),
+    the vocabulary padded to a multiple of t, as the tensor-parallel code must pad it."""
+    return torch.ceil(spec.vocab_size / t)
 
 
 def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, flash: bool, scale: float = 1.0):
@@ -77,10 +85,9 @@ def output_layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float)
     """(forward, backward) seconds of the last stage's output layer: the (T, V / t, h) product, and the
     cross-entropy over its fp32 logits, memory-bound: cast (read 2, write 4 bytes), max (read 4), exp and sum
     (read 4), softmax and its gradient (read 4, write 4), the gradient back to 16 bits (read 4, write 2)."""
-    tokens = c.micro_batch * spec.seq_len / c.cp
-    forward, backward = forward_backward_seconds(tokens, spec.vocab_size / c.tp, spec.hidden, cluster, fraction,
-                                                 hbm_fraction)
-    loss = LOSS_BYTES * tokens * spec.vocab_size / c.tp / (cluster.hbm_bw_gbps * 1e9 * hbm_fraction)
+    tokens, rows = c.micro_batch * spec.seq_len / c.cp, vocab_rows(spec, c.tp)
+    forward, backward = forward_backward_seconds(tokens, rows, spec.hidden, cluster, fraction, hbm_fraction)
+    loss = LOSS_BYTES * tokens * rows / (cluster.hbm_bw_gbps * 1e9 * hbm_fraction)
     return forward + loss / 2, backward + loss / 2
 
 
@@ -102,8 +109,5 @@ def layer_activations(spec, c, mode: int, flash: bool):
     if mode == 2:
         return 2.0 * sbh / torch.where(sp > 0, t, 1.0)  # the layer's input
     outside, inside, scores = spec.activation_terms()
-    if spec.moe:
-        mlp = spec.mlp_activation_term()
-        inside = inside - mlp + mlp * spec.top_k * spec.capacity_factor
     kept_scores = scores * spec.n_head * spec.seq_len / spec.hidden if mode == 0 and not flash else 0.0
     return torch.where(sp > 0, outside / t, outside) * sbh + (inside + kept_scores) * sbh / t

@@ -11,16 +11,20 @@ and Llama 3 balance the embedding and the output layer), the embedding on stage 
 on stage p-1.
 
 Memory of a GPU of stage k:
-  model states  Psi_k = Psi_split/t + Psi_replicated (+ its E/e experts), under ZeRO stage z over the
-                d c GPUs holding the same parameters: params, gradients and optimizer states of the recipe
-                (shardlib.memory.TRAINING_RECIPES), the optimizer's sharded from z = 1, the gradients' from 2,
+  model states  Psi_k = Psi_split/t + Psi_replicated (+ its E/e experts; the embedding and the output layer of
+                ceil(V/t) rows each, V padded to a multiple of t as the tensor-parallel code pads it), under ZeRO
+                stage z over the d c GPUs holding the same parameters: params, gradients and optimizer states of
+                the recipe (shardlib.memory.TRAINING_RECIPES), the optimizer's sharded from z = 1, the gradients' from 2,
                 the parameters' from 3 (ZeRO, arXiv 1910.02054, Fig. 1). Megatron's distributed optimizer is
                 z = 1 with its own recipes (fp32 main gradients: "mixed_adam_fp32_main_grads").
   activations   per layer and micro-batch, shardlib/plan/compute.py (Korthikanti et al., arXiv 2205.05198),
                 times the layer-micro-batches stage k holds: with 1F1B min(p - k, m) micro-batches of its
                 L_k layers; interleaved, Megatron-Core's warm-up of 2 (p - k - 1) + (v - 1) p chunks plus
                 the one running, of L_k / v layers each (megatron/core/pipeline_parallel/schedules.py). Full
-                recomputation adds the layer being recomputed; the last stage its fp32 logits, 4 s b V / t.
+                recomputation adds the layer being recomputed, less its input, already kept. The last stage adds its output layer's (arXiv
+                2205.05198, Sec. 4.3): the final norm's and the output layer's inputs, 4 s b h (/ t with sequence
+                parallelism), and the loss's fp32 softmax, 4 s b V / t; under full recomputation the larger of that
+                and the layer being recomputed (the loss's backward frees the first before the second exists).
   buffers       ZeRO-3 gathers the 16-bit parameters of at most two layers at a time (FSDP's rate limiter).
 
 Seconds per step = m T + (p-1)/v T + PP sends + exposed DP + optimizer step + offload, T the time of one
@@ -44,8 +48,9 @@ micro-batch (forward + backward + exposed TP, CP, EP) on the slowest stage:
                 arXiv 2006.16668), on the critical path.
   bubble        (p-1)/v micro-batch times: the idle fraction (p-1)/(v m) of interleaved 1F1B (arXiv 2104.04473).
   PP            2 (m v + p - 2) point-to-point messages on the critical path. Each tensor-parallel rank sends
-                1/t of the b s h / c activation and the receivers all-gather it over NVLink (the scatter/gather
-                optimisation, arXiv 2104.04473, Sec. 4.1); with sequence parallelism it is already split.
+                1/t of the b s h / c activation and the receivers all-gather it over NVLink, one all-gather of
+                the tp group per message received (the scatter/gather optimisation, arXiv 2104.04473, Sec. 4.1;
+                shardlib/parallel/pipeline.py); with sequence parallelism it is already split.
                 Tied embeddings: their gradients all-reduced between the first and the last stage once a step.
   DP            over the d c GPUs with the same parameters, Psi_k: ZeRO 0 an all-reduce of the gradients
                 behind the last micro-batch's backward; 1 a reduce-scatter there and an all-gather behind the
@@ -72,7 +77,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from shardlib import memory
-from shardlib.plan.compute import layer_activations, layer_seconds, output_layer_seconds
+from shardlib.plan.compute import OUTPUT_LAYER_INPUTS, layer_activations, layer_seconds, output_layer_seconds, \
+    vocab_rows
 from shardlib.plan.cost_comm import stage_communication
 from shardlib.plan.fitted import FITTED
 from shardlib.plan.inputs import Cluster
@@ -259,6 +265,8 @@ def _stage_memory(spec, c: Layouts, m, k, first, last, layers, recipe, flash: bo
     t, p, z, v = c.tp, c.pp, c.zero, c.virtual
     e = recipe.params
     split, replicated = spec.stage_params(first, last, layers)
+    padding = (vocab_rows(spec, t) * t - spec.vocab_size) * spec.hidden  # rows that pad V to a multiple of t
+    split = split + padding * (first + last * (1 - spec.tied_embeddings * first))
     psi_dense = split / t + replicated
     mlp_split, mlp_replicated = spec.mlp_params()
     psi_expert = layers * spec.n_experts / c.ep * (mlp_split / t + mlp_replicated)
@@ -268,10 +276,14 @@ def _stage_memory(spec, c: Layouts, m, k, first, last, layers, recipe, flash: bo
     params, grads, optimizer = e * share(3), recipe.grads * share(2), recipe.optimizer * share(1)
     by_mode = [layer_activations(spec, c, mode, flash) for mode in range(3)]
     per_layer = torch.where(c.recompute == 0, by_mode[0], torch.where(c.recompute == 1, by_mode[1], by_mode[2]))
-    recomputing = torch.where(c.recompute == 2, by_mode[0], 0.0)  # the layer being recomputed
+    # the layer being recomputed: all it keeps but its input, which is the kept one (its first norm reads it)
+    recomputing = torch.where(c.recompute == 2, by_mode[0] - by_mode[2], 0.0) * e / 2
     tokens = c.micro_batch * spec.seq_len / c.cp
-    activations = ((layers * per_layer * in_flight(p, k, m, v) + recomputing) * e / 2
-                   + last * 4 * tokens * spec.vocab_size / t)  # + fp32 logits
+    # the final norm's and the output layer's inputs, and the loss's fp32 softmax: the loss's backward frees them
+    # before the last layer is recomputed, so under full recomputation the two never add up
+    head_inputs = OUTPUT_LAYER_INPUTS * tokens * spec.hidden / torch.where(c.sp > 0, t, 1.0) * e / 2
+    output_layer = last * (head_inputs + 4 * tokens * vocab_rows(spec, t))
+    activations = layers * per_layer * in_flight(p, k, m, v) * e / 2 + torch.maximum(recomputing, output_layer)
     layer_split, layer_replicated = spec.layer_params()
     layer_experts = spec.n_experts / c.ep * (mlp_split / t + mlp_replicated)
     buffers = ((z == 3) & (n_dense > 1)) * 2 * (layer_split / t + layer_replicated + layer_experts) * e

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardlib.plan.compute import vocab_rows
 from shardlib.plan.links import Ring, exposed, in_node, link_bandwidth
 
 
@@ -68,7 +69,9 @@ def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, o
     bsh = tokens * spec.hidden * e
     per_pass = layers * 2  # all-reduces (or all-gather + reduce-scatter pairs) per pass over the stage
     tp_calls = layers * (4 + 2 * full) + first + last
-    out.append(Collective("tp", "all_reduce", bsh, m * tp_calls, tp_ring))
+    out.append(Collective("tp", "all_reduce", bsh, m * tp_calls * (1 - c.sp), tp_ring))
+    for kind in ("all_gather", "reduce_scatter"):  # sequence parallelism: each all-reduce is one of each
+        out.append(Collective("tp", kind, bsh, m * tp_calls * c.sp, tp_ring))
     out.append(Collective("tp", "all_reduce", tokens * 4.0, m * 3 * last, tp_ring))  # the loss, fp32
     replicated = spec.stage_params(first, last, layers)[1] * eg
     out.append(Collective("tp", "all_reduce", replicated, c.sp, tp_ring))  # SP: replicated weights' gradients
@@ -113,15 +116,16 @@ def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, o
 
     # -- pipeline: scatter/gather of the boundary activation ---------------------------------------
     boundary = tokens * spec.hidden * e / t  # each tensor-parallel rank sends its 1/t
-    sends = (p > 1) * m * (2 * v - first - last)
+    sends = (p > 1) * m * (2 * v - first - last)  # as many received: activations forward, gradients backward
     out.append(Collective("pp", "send", boundary, sends))
+    out.append(Collective("tp", "all_gather", bsh, sends * (1 - c.sp) * (t > 1), tp_ring))  # each received 1/t
     gather = torch.where(c.sp > 0, 0.0, tp_ring.time("all_gather", tokens * spec.hidden * e))
     pp_link = link_bandwidth(cluster, t * cp * d * p, link)
     pp_s = (p > 1) * 2 * (m * v + p - 2) * (alpha + boundary / pp_link + gather)
     # tied embeddings on two stages: their gradients all-reduced between the first and the last once a step, after
     # the pipeline drains (Megatron-LM's embedding group)
     tied = float(spec.tied_embeddings) * (p > 1) * torch.maximum(first, last)
-    embedding = spec.vocab_size * spec.hidden / t * eg
+    embedding = vocab_rows(spec, t) * spec.hidden * eg
     embedding_ring = Ring(2 * torch.ones_like(p), pp_link, alpha)
     out.append(Collective("pp", "all_reduce", embedding, tied, embedding_ring))
     pp_s = pp_s + tied * embedding_ring.time("all_reduce", embedding)

@@ -27,7 +27,12 @@ r = key-value heads / heads, f the MLP size:
                                          activation input and output 4 f / h, or with a gated MLP
                                          its two inputs and the product 6 f / h         = 8 + 16 at r = 1, f = 4h
     scores (split by t, a s / h of them) softmax output 2, dropout mask 1 and output 2 = 5 (2 without dropout)
-A GPT layer (dropout, r = 1, f = 4h) gives the paper's 10 + 24 and 5 a s / h.
+A GPT layer (dropout, r = 1, f = 4h) gives the paper's 10 + 24 and 5 a s / h. A MoE layer's router reads the
+MLP's input (outside); inside, in place of the MLP, each of the top_k C_f expert places per token keeps the
+expert's input 2 and that expert's MLP terms, and each of the top_k choices per token the expert's output,
+which the combine multiplies by its gate (2): k C_f (2 + 6 f / h) + 2 k gated. The dispatch into the expert
+buffers keeps only indices (its backward gathers the gradient back; shardlib/parallel/experts.py, as
+Megatron-Core's token permutation).
 """
 
 from __future__ import annotations
@@ -123,16 +128,21 @@ class ModelSpec:
 
     def activation_terms(self) -> tuple[float, float, float]:
         """(outside, inside, scores): bytes per token and per h one layer keeps for backward, 16-bit; the
-        scores term counts a s / h of them (module docstring). Inside holds one MLP's share (an MoE layer
-        keeps one per routed copy)."""
+        scores term counts a s / h of them (module docstring). Inside holds the MLP's, or the MoE layer's, share
+        (mlp_activation_term)."""
         r, f = self.kv_heads / self.n_head, self.ffn / self.hidden
         outside = 8 + 2 * self.dropout
         attention = 2 + 4 * r + 2
         return outside, attention + self.mlp_activation_term(), 2 + 3 * self.dropout
 
     def mlp_activation_term(self) -> float:
-        """The MLP's part of the inside term: 4 f / h, or 6 f / h gated."""
-        return (6 if self.gated_mlp else 4) * self.ffn / self.hidden
+        """The MLP's part of the inside term: 4 f / h, or 6 f / h gated. A MoE layer keeps per expert place
+        (top_k x capacity factor of them per token) the expert's input 2 and its MLP's, and per token choice
+        the expert's output that the combine weights by its gate, 2 (module docstring)."""
+        mlp = (6 if self.gated_mlp else 4) * self.ffn / self.hidden
+        if not self.moe:
+            return mlp
+        return self.top_k * self.capacity_factor * (2 + mlp) + 2 * self.top_k
 
     def expert_params(self) -> int:
         """Parameters of the E experts of one layer (0 for a dense model); split over ep and t."""

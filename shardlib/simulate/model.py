@@ -14,7 +14,9 @@ piece is the course's code for its technique:
                    down projection
     experts        shardlib.parallel.experts.ExpertParallelMoE on the expert-parallel group
     embedding      VocabParallelEmbedding on the first stage; norm, column-parallel output layer and
-                   vocab_parallel_cross_entropy on the last, the logits cast to fp32 as Megatron-LM does
+                   vocab_parallel_cross_entropy on the last, the logits cast to fp32 as Megatron-LM does;
+                   tied embeddings on two stages: the last holds a copy, its gradient summed with the
+                   first's (shardlib/parallel/tied_embeddings.py)
     recomputation  "full": each layer through shardlib.parallel.recompute.recompute (keeps its input)
 
 Sizes a technique cannot split are refused with what to change. The vocabulary is padded up to a
@@ -191,6 +193,13 @@ class TransformerStage(nn.Module):
             for module in (getattr(self, "pos_emb", None), getattr(self, "ln_f", None)):
                 for param in module.parameters() if module is not None else ():
                     param.sequence_parallel = True
+
+    def tied_embedding(self) -> nn.Parameter | None:
+        """The weight shared with the other end of the pipeline (shardlib/parallel/tied_embeddings.py): the
+        embedding on the first stage, the output layer on the last, when tied and on different stages."""
+        if not self.spec.tied_embeddings or self.is_first == self.is_last:
+            return None
+        return self.tok_emb.weight if self.is_first else self.lm_head.weight
 
     def local_tokens(self) -> int:
         """Tokens of a sequence this rank's activations hold: s/c, and /t under sequence parallelism."""

@@ -1,7 +1,7 @@
 """Reading a simulation: the rank's memory and traffic against the planner, the ledger, the timeline plot.
 
 `format_report` prints one rank: where it sits in the job, its memory (model states, activation
-peak, ZeRO-3 buffers) and bytes sent per group, simulated beside planned with the ratio, the peak
+peak, ZeRO-3 buffers) and bytes sent per group and collective, simulated beside planned with the ratio, the peak
 and where it happened, and the ledger's calls and bytes per collective and group. `as_dict` is the
 same for JSON. `plot_timeline` draws the bytes the rank holds through the step.
 """
@@ -30,7 +30,7 @@ def _where(sim: Simulation) -> str:
 def _row(c: Comparison, unit: float) -> str:
     mark = "" if c.target is None else ("  ok" if c.within else f"  off (target {c.target:.0%})"
                                         if c.target >= 0.01 else "  off (target: exact)")
-    return f"  {c.quantity:<18}{c.simulated / unit:>12.3f}{c.planned / unit:>12.3f}{c.ratio:>9.4f}{mark}"
+    return f"  {c.quantity:<26}{c.simulated / unit:>12.3f}{c.planned / unit:>12.3f}{c.ratio:>9.4f}{mark}"
 
 
 def format_report(sim: Simulation, comparisons: list[Comparison] | None = None) -> str:
@@ -38,10 +38,10 @@ def format_report(sim: Simulation, comparisons: list[Comparison] | None = None) 
     memory = [r for r in rows if not r.quantity.startswith("sent")]
     sent = [r for r in rows if r.quantity.startswith("sent") and (r.simulated or r.planned)]
     lines = [_where(sim), "",
-             f"  {'memory (GiB)':<18}{'simulated':>12}{'planned':>12}{'ratio':>9}", *(_row(r, GiB) for r in memory),
+             f"  {'memory (GiB)':<26}{'simulated':>12}{'planned':>12}{'ratio':>9}", *(_row(r, GiB) for r in memory),
              f"  peak: {sim.peak / GiB:.2f} GiB in all, in the {sim.peak_where}; "
              f"activations at their peak in the {sim.activation_peak_where}", "",
-             f"  {'sent per step (GB)':<18}{'simulated':>12}{'planned':>12}{'ratio':>9}", *(_row(r, 1e9) for r in sent),
+             f"  {'sent per step (GB)':<26}{'simulated':>12}{'planned':>12}{'ratio':>9}", *(_row(r, 1e9) for r in sent),
              "", f"  {'ledger: group':<28}{'collective':<16}{'calls':>8}{'bytes':>18}{'sent bytes':>18}"]
     for group, kinds in sorted(sim.by_group().items()):
         for kind, row in sorted(kinds.items()):

@@ -7,8 +7,10 @@
 This process becomes rank `rank` of dp*cp*tp*pp ranks on the fake backend (world.py), builds the
 rank's chunks at the model's true shape on the meta device (model.py), applies ZeRO (optim.py),
 and runs the step: the pipeline's schedule (shardlib.parallel.pipeline.pipeline_step: 1F1B, or
-interleaved 1F1B with v chunks), or the m micro-batches one after the other without a pipeline,
-then the gradient reductions and the AdamW step. The ledger (shardlib.comm.comm_ledger) records
+interleaved 1F1B with v chunks; each tensor-parallel rank sends 1/t of a boundary tensor without
+sequence parallelism, Megatron-LM's scatter/gather), or the m micro-batches one after the other
+without a pipeline, then the gradient reductions (a tied embedding's two copies summed first) and
+the AdamW step. The ledger (shardlib.comm.comm_ledger) records
 every call; timeline.py the memory. Nothing is allocated: a 70B-parameter rank runs on a laptop.
 """
 
@@ -23,6 +25,7 @@ import torch
 from shardlib.comm import CommRecord, comm_ledger
 from shardlib.parallel.pipeline import pipeline_step
 from shardlib.parallel.schedules import schedule_interleaved_1f1b
+from shardlib.parallel.tied_embeddings import sync_tied_embeddings
 from shardlib.plan.inputs import Cluster, Layout
 from shardlib.plan.model import ModelSpec
 from shardlib.plan.planner import check_layout
@@ -67,8 +70,10 @@ class Simulation:
         if record.kind in ("send", "recv"):
             peer = record.peers[0]
             return next((n for n in ("pp", "cp") if peer in self.group_ranks[n] and len(self.group_ranks[n]) > 1), "?")
-        order = ("ep", "cp") if record.kind == "all_to_all" else ("tp", "dense_dp", "expert_dp", "cp", "ep", "pp")
-        return next((n for n in order if self.group_ranks[n] == tuple(record.peers)), "?")
+        order = ("ep", "cp") if record.kind == "all_to_all" else ("tp", "dense_dp", "expert_dp", "cp", "ep", "pp",
+                                                                  "embedding")
+        group = next((n for n in order if self.group_ranks[n] == tuple(record.peers)), "?")
+        return "pp" if group == "embedding" else group  # the planner counts the tied embedding's sum as pp traffic
 
     def by_group(self) -> dict[str, dict[str, dict[str, int]]]:
         """{group: {kind: {calls, bytes, sent_bytes}}} from the ledger."""
@@ -107,6 +112,10 @@ def simulate(spec: ModelSpec, layout: Layout, *, rank: int = 0, global_batch: in
     check_layout(spec, Cluster.of(n, gpus_per_node=min(gpus_per_node, n)), layout, global_batch)
     if layout.offload:
         raise ValueError("optimizer offload is not simulated: drop offload=True")
+    if spec.tied_embeddings and layout.pp > 1 and layout.zero > 1:
+        raise ValueError(f"tied embeddings on two pipeline stages sum their whole gradients after backward, which "
+                         f"ZeRO-{layout.zero} has already reduce-scattered: use zero 0 or 1 with pp > 1 (DeepSpeed's "
+                         "pipeline engine and Megatron-LM's distributed optimizer do)")
     start = time.perf_counter()
     m = global_batch // (layout.dp * layout.micro_batch)
     with fake_world(rank, n), meta_execution(attention):
@@ -118,8 +127,10 @@ def simulate(spec: ModelSpec, layout: Layout, *, rank: int = 0, global_batch: in
         tokens = torch.empty(m * layout.micro_batch, spec.seq_len, dtype=torch.long, device="meta")  # (m b, s)
         with comm_ledger() as ledger, timeline.recording():
             if layout.pp > 1:
+                scatter = groups.tp if layout.tp > 1 and not layout.sequence_parallel else None  # 1/t per tp rank
                 pipeline_step(chunks if len(chunks) > 1 else chunks[0], (tokens, tokens), m, _schedule(layout),
-                              group=groups.pp, measure_memory=False)
+                              group=groups.pp, measure_memory=False, scatter_gather=scatter)
+                sync_tied_embeddings(chunks, group=groups.embedding)
             else:
                 stage = chunks[0]
                 for x in tokens.chunk(m):  # (b, s) each

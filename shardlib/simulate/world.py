@@ -16,6 +16,8 @@ data-parallel indices. The groups of one rank:
     dense dp    d c ranks holding the same (non-expert) parameters: their gradients are reduced here
     ep          e ranks exchanging tokens for their experts (all-to-all)
     expert dp   d c / e ranks holding the same experts
+    embedding   the first and the last stage of the rank's pipeline: a tied embedding's two copies
+                (shardlib/parallel/tied_embeddings.py)
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class RankGroups:
     dense_dp: object
     ep: object
     expert_dp: object
+    embedding: object
     ranks: dict  # group name -> tuple of global ranks
 
 
@@ -94,6 +97,7 @@ def rank_groups(layout: Layout, rank: int) -> RankGroups:
     same_experts = range(here["dp"] % e, d, e)
     ranks = {"tp": members(tp=range(layout.tp)), "cp": members(cp=range(layout.cp)),
              "pp": members(pp=range(layout.pp)), "dense_dp": members(dp=range(d), cp=range(layout.cp)),
-             "ep": members(dp=ep_block), "expert_dp": members(dp=same_experts, cp=range(layout.cp))}
+             "ep": members(dp=ep_block), "expert_dp": members(dp=same_experts, cp=range(layout.cp)),
+             "embedding": members(pp=(0, layout.pp - 1))}
     groups = {name: dist.new_group(list(r)) for name, r in ranks.items()}
     return RankGroups(**groups, ranks=ranks)
