@@ -198,6 +198,37 @@ def test_full_shard_model_states_match_the_zero3_formula(reference):
             assert measured[key] == pytest.approx(predicted[key], rel=0.01), key
 
 
+def _shard_grad_op_after_forward() -> tuple[int, int]:
+    """On a rank: two FSDP2 units that stay gathered after their forward (SHARD_GRAD_OP); the parameter bytes
+    memory_snapshot counts, and those the module alone shows."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from shardlib.finetune.rank import memory_snapshot
+    from shardlib.memory import model_state_bytes
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    for unit in (*model, model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64))  # every unit gathered now, kept until its backward
+    return memory_snapshot(model, optimizer)["params"], model_state_bytes(model, optimizer)["params"]
+
+
+def test_shard_grad_op_holds_the_gathered_parameters_and_the_shards():
+    from shardlib.finetune.measure import fsdp2_model_state_bytes
+
+    n_params = 2 * (64 * 64 + 64)
+    counted, module_only = launch(_shard_grad_op_after_forward, 2, device="cpu", timeout=120)[0]
+    formula = fsdp2_model_state_bytes(n_params, 2, "SHARD_GRAD_OP")["params"]
+    assert formula == 4 * n_params + 4 * n_params / 2, f"formula: {formula} B, not gathered fp32 + half in shards"
+    assert counted == formula, f"counted {counted} B of parameters, the gathered copies and the shards are {formula} B"
+    assert module_only == 4 * n_params, "the module alone shows only the gathered copies, not the optimizer's shards"
+
+
 @pytest.mark.slow
 def test_ddp_and_full_shard_losses_agree(reference, tmp_path):
     _, fsdp = reference

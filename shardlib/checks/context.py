@@ -92,7 +92,7 @@ def verify_context_parallel(world_size: int, technique: str = "cp-ring", device:
     if technique not in METHODS:
         raise ValueError(f"technique must be one of {sorted(METHODS)}, got {technique!r}")
     method = METHODS[technique]
-    layout = check_context_parallel(SEQ_LEN, world_size, method, CHECK_GPT.n_head)  # before any process starts
+    layout = check_context_parallel(SEQ_LEN, world_size, method, CHECK_GPT.n_head, CHECK_GPT.kv_heads)  # before launching
     batches = check_batches()
     per_rank = launch_on(_train_on_rank, world_size, args=(method, batches), device=device)
     ref32, ref64 = (reference_run(lambda dtype=dtype: build_gpt(CHECK_GPT, seed=0).to(dtype), batches,

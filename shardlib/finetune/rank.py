@@ -193,9 +193,17 @@ def evaluate(model, tokenizer, split, config, device, rank: int, world_size: int
 
 
 def memory_snapshot(model, optimizer) -> dict:
-    from shardlib.memory import model_state_bytes
+    """This rank's model states (shardlib.memory.model_state_bytes), with the parameters counted both as the
+    model holds them and as the optimizer steps them. Under FSDP2 these are different tensors while a unit
+    is gathered (SHARD_GRAD_OP from its forward to its backward, the root unit always): the gathered copy
+    and the shard, both in memory. Under DDP, and for a resharded unit, they are the same tensors, counted once."""
+    from shardlib.memory import model_state_bytes, unique_storage_bytes
 
-    return model_state_bytes(model, optimizer)
+    states = model_state_bytes(model, optimizer)
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    states["params"] = unique_storage_bytes([*model.parameters(), *stepped])
+    states["total"] = states["params"] + states["grads"] + states["optimizer"]
+    return states
 
 
 def append_jsonl(path: Path, record: dict) -> None:
