@@ -27,11 +27,12 @@ LIGHT = ("TOL = 0\n\n\ndef helper(x):\n    return x * 2",  # no torch: a kernel 
 
 
 def double_solution(checks=None, setup=None) -> nbformat.NotebookNode:
-    """A lab in four cells: a locked set-up (torch, shardlib, a tolerance, a helper), the answer, two checks."""
+    """A lab in four cells: a locked set-up (torch, shardlib, a tolerance, data, a helper), the answer, two checks."""
     checks = checks or [
         "assert torch.allclose(double(torch.ones(3)), helper(torch.ones(3)), atol=TOL), 'double is wrong'",
-        "assert callable(shardlib.launch) and all([double(2) == 4]), 'double(2) is not 4'\nprint('double(2) is 4')"]
-    setup = setup or "import torch\nimport shardlib\nTOL = 1e-6\n\n\ndef helper(x):\n    return x * 2"
+        "assert callable(shardlib.launch) and all([double(2) == EXPECTED[2]]), 'double(2) is not 4'\n"
+        "print('double(2) is 4')"]
+    setup = setup or "import torch\nimport shardlib\nTOL = 1e-6\nEXPECTED = {2: 4}\n\n\ndef helper(x):\n    return x * 2"
     return nbformat.v4.new_notebook(cells=[
         code(setup),
         code("def double(x):\n    ### BEGIN SOLUTION\n    return x * 2\n    ### END SOLUTION"),

@@ -21,7 +21,7 @@ from grade_helpers import REPO_ROOT, leftovers, light_lab, run_grader, statuses,
 from shardlib.course.grading.kernel import Kernel
 from shardlib.course.grading.notebook import read_notebook, role
 from shardlib.course.grading.sandbox import bubblewrap, make_sandbox
-from shardlib.course.grading.tamper import Verifier
+from shardlib.course.grading.tamper import Verifier, take_baseline, verify
 
 WRONG = "def double(x):\n    return x"  # fails both checks, whatever the checks rely on
 # (what the learner's cell does, what undoes it): each makes a wrong answer pass, or hides a failure
@@ -52,8 +52,47 @@ TAMPERING = {
                                          "_S.run_cell = _o"),
     "a Tensor method replaced": ("_o = torch.Tensor.__eq__; torch.Tensor.__eq__ = lambda a, b: True",
                                  "torch.Tensor.__eq__ = _o"),
-    "int patched through gc": ("import gc; _d = gc.get_referents(int.__dict__)[0]; _o = _d['__add__']; "
-                               "_d['__add__'] = lambda a, b: 0", "_d['__add__'] = _o"),
+    # below: ways the fingerprint of the machinery and the checks' names alone did not see
+    "the reply's status made ok": ("from IPython.core.interactiveshell import ExecutionResult as _E; _o = _E.success; "
+                                   "_E.success = property(lambda self: True)", "_E.success = _o"),
+    "the cell runner wrapped": ("import IPython.core.interactiveshell as _m; _o = _m._pseudo_sync_runner; "
+                                "_m._pseudo_sync_runner = lambda coro: _o(coro)", "_m._pseudo_sync_runner = _o"),
+    "the reply cleaned before sending": ("import ipykernel.kernelbase as _kb; _o = _kb.json_clean; "
+                                         "_kb.json_clean = lambda c: _o(c)", "_kb.json_clean = _o"),
+    "a printer for what the grader reads": ("_f = get_ipython().display_formatter.formatters['text/plain']; "
+                                            "_o = _f.for_type(str, lambda o, p, cycle: p.text(repr(o)))",
+                                            "_x = _f.type_printers.pop(str) if _o is None else _f.for_type(str, _o)"),
+    "a signal handler": ("import signal; _o = signal.getsignal(signal.SIGALRM); "
+                         "signal.signal(signal.SIGALRM, lambda number, frame: None)", "signal.signal(signal.SIGALRM, _o)"),
+    "an interval timer": ("import signal; signal.setitimer(signal.ITIMER_PROF, 1000)",
+                          "signal.setitimer(signal.ITIMER_PROF, 0)"),
+    "a thread running the notebook's code": ("import threading; _e = threading.Event()\ndef _loop():\n    _e.wait()\n"
+                                             "_t = threading.Thread(target=_loop, daemon=True); _t.start()",
+                                             "_e.set(); _t.join()"),
+    "an import hook": ("import sys\nclass _Finder:\n    def find_spec(self, *args):\n        return None\n"
+                       "sys.meta_path.insert(0, _Finder())", "sys.meta_path.pop(0)"),
+    "a module global shadowing a builtin": ("import IPython.core.interactiveshell as _m; _m.isinstance = isinstance",
+                                            "del _m.isinstance"),
+    "a function the launcher calls replaced": ("import sys; _l = sys.modules['shardlib.launch']; _o = _l._run; "
+                                               "_l._run = lambda *a, **k: _o(*a, **k)", "_l._run = _o"),
+    "a torch.nn.Module method replaced": ("_o = torch.nn.Module.__call__; "
+                                          "torch.nn.Module.__call__ = lambda self, *a, **k: _o(self, *a, **k)",
+                                          "torch.nn.Module.__call__ = _o"),
+    "a locked constant changed in place through ctypes": (
+        "import ctypes; _v = ctypes.c_double.from_address(id(TOL) + 16); _o = _v.value; _v.value = 1e9",
+        "_v.value = _o"),
+    "released data changed in place": ("EXPECTED[2] = 2", "EXPECTED[2] = 4"),
+    "the kernel's cell file name set": ("import os; os.environ['IPYKERNEL_CELL_NAME'] = '/tmp/a.py'",
+                                        "del os.environ['IPYKERNEL_CELL_NAME']"),
+}
+# what the grader refuses outright (its audit hook): the cell fails, or the call does nothing, and nothing changes
+REFUSED = {
+    "int patched through gc": ("import gc; _d = gc.get_referents(int.__dict__)[0]", "RuntimeError"),
+    "the grader's audit hook looked for": ("import gc; [o for o in gc.get_objects() if callable(o)]", "RuntimeError"),
+    "an audit hook of the notebook's": ("import sys; _seen = []; sys.addaudithook(lambda e, a: _seen.append(e)); "
+                                        "sys.audit('shardlib.test'); assert not _seen, 'the hook was added'", ""),
+    "code under a released cell's name": ("_name = get_ipython().compile.get_code_name(RELEASED, RELEASED, 0); "
+                                          "compile('x = 1', _name, 'exec')", "RuntimeError"),
 }
 
 
@@ -66,12 +105,9 @@ def test_each_way_of_tampering_is_seen_and_a_clean_kernel_is_not_flagged(tmp_pat
     with tempfile.TemporaryDirectory() as scratch, Kernel(make_sandbox(Path(scratch))) as kernel:
         def run(source: str, index: int, cell_role: str) -> list[str]:
             assert kernel.run(source, 120).status in ("ok", "error")
-            code, expressions, nonce = verifier.request()
-            state = verifier.parse(kernel.run(code, 120, silent=True, user_expressions=expressions), nonce)
-            return verifier.after(state, index, cell_role)
+            return verify(kernel, verifier, index, cell_role, 120)
 
-        code, expressions, nonce = verifier.request(baseline=True)
-        verifier.start(verifier.parse(kernel.run(code, 300, silent=True, user_expressions=expressions), nonce))
+        take_baseline(kernel, verifier, 300)
         assert [run(source, index, cell_role) for index, cell_role, source in cells] == [[]] * len(cells)
         for honest in ("%matplotlib inline", "%load_ext autoreload\n%autoreload 2", "import numpy as np\nx = [1]"):
             assert run(honest, 99, "answer") == [], f"an honest cell flagged: {honest!r}"
@@ -79,6 +115,11 @@ def test_each_way_of_tampering_is_seen_and_a_clean_kernel_is_not_flagged(tmp_pat
         for name, (tamper, undo) in TAMPERING.items():
             seen[name] = run(tamper, 99, "answer")
             assert run(undo, 99, "answer") == [], f"{name}: still flagged once undone (a false alarm)"
+        kernel.run(f"RELEASED = {cells[0][2]!r}", 60)
+        for name, (refused, error) in REFUSED.items():
+            done = kernel.run(refused, 120)
+            assert (done.ename or "") == error, f"{name}: {done.status} {done.ename}: {done.evalue}"
+            assert run("pass", 99, "answer") == [], f"{name}: refused, yet something changed"
     missed = [name for name, found in seen.items() if not found]
     assert not missed, f"tampering not seen: {missed}"
     print("\n".join(f"{name}: {found[0]}" for name, found in seen.items()))

@@ -4,7 +4,8 @@
                                                 too); a lab is found by its file name, anywhere in the folder
     RELEASE_DIR/<lab>.ipynb                     the labs as released (or RELEASE_DIR/labs/<lab>.ipynb)
     RESULTS_DIR/<learner>.json, <learner>.txt   one report per learner: every lab, every check
-    RESULTS_DIR/scores.csv                      learner, lab, score, max_score, outcome, detail
+    RESULTS_DIR/scores.csv                      learner, lab, score, max_score, outcome, detail, review (how
+                                                many lines of the learner's code to look at: review.py)
 
 Every released lab is read once, before any learner's code runs, and handed to each grading on its
 standard input, so nothing a notebook does to the files changes the checks another is graded with.
@@ -94,6 +95,8 @@ class Workers:
                 self.running.discard(worker)
         try:
             report = json.loads(out)
+            if worker.returncode not in (0, 1, 2):  # killed: what it printed may not be its own
+                raise ValueError(f"exit status {worker.returncode}")
         except ValueError:
             return {"outcome": "error", "detail": cap(f"the grader failed (status {worker.returncode}): "
                                                       f"{err.decode(errors='replace')[-400:]}")}
@@ -167,7 +170,7 @@ def write_results(out: Path, todo, results: dict, seconds: float) -> dict:
         per_learner.setdefault(learner, []).append(dict(result, lab=lab))
         rows.append({"learner": learner, "lab": lab, "score": result.get("score", 0),
                      "max_score": result.get("max_score", ""), "outcome": result.get("outcome", ""),
-                     "detail": cap(result.get("detail", ""), 200)})
+                     "detail": cap(result.get("detail", ""), 200), "review": len(result.get("review", []))})
     for learner, reports in per_learner.items():
         total = sum(r.get("score", 0) for r in reports)
         (out / f"{learner}.json").write_text(json.dumps({"learner": learner, "score": total, "labs": reports},
@@ -190,7 +193,8 @@ def _text(result: dict) -> str:
     if "checks" not in result:
         return f"{result['lab']}: {result.get('outcome')}: {result.get('detail', '')}"
     report = Report(result["notebook"], outcome=result["outcome"], detail=result["detail"],
-                    tampering=result.get("tampering", []), isolation=result.get("isolation", ""),
+                    tampering=result.get("tampering", []), review=result.get("review", []),
+                    isolation=result.get("isolation", ""),
                     release=result["lab"], seconds=result.get("seconds", 0), errors=result.get("errors", []))
     from shardlib.course.grading.report import CheckResult
 

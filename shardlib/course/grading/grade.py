@@ -8,6 +8,8 @@ finds nothing changed. How each check can end:
                            for holding more memory than allowed
     timed out              it ran past --cell-timeout: interrupted (SIGINT to the kernel and its ranks)
     kernel died            the kernel's process ended during it (os._exit, a crash, a signal)
+    kernel died            also a check whose reply came but whose kernel died before the verification after it
+                           (a reply can be forged from the kernel: only a verified one counts)
     not run                it never started; the message says why: the kernel died or was unresponsive
                            (ignored the interrupt INTERRUPT_GRACE_S; it is then killed) after cell N, the
                            run passed --timeout, or the grader was stopped (SIGTERM, SIGHUP)
@@ -26,9 +28,10 @@ from pathlib import Path
 from shardlib.course.grading.kernel import Kernel, Run
 from shardlib.course.grading.notebook import (against_release, fresh, grade_id, is_answer, is_check, points,
                                               read_notebook, role)
-from shardlib.course.grading.report import CheckResult, Report, error_message
+from shardlib.course.grading.report import CheckResult, Report, cap, error_message
+from shardlib.course.grading.review import review
 from shardlib.course.grading.sandbox import DEFAULT_MEMORY_GIB, DEFAULT_PROCESSES, make_sandbox
-from shardlib.course.grading.tamper import Verifier
+from shardlib.course.grading.tamper import Verifier, take_baseline, verify
 
 DEFAULT_TIMEOUT_S = 1800  # the whole run
 DEFAULT_CELL_TIMEOUT_S = 600  # one cell (shardlib.launch's own default timeout is 300 s)
@@ -64,6 +67,8 @@ def grade(path: str | Path, release=None, timeout: float = DEFAULT_TIMEOUT_S,
     report = Report(notebook=str(path), release=release_name)
     cells = [(i, role(cell), cell.source) for i, cell in enumerate(graded.cells)
              if cell.cell_type == "code" and cell.source.strip()]
+    report.review = [cap(found, 300) for found in review(
+        [(i, r, source, grade_id(graded.cells[i], i)) for i, r, source in cells], stubs or ())][:200]
     checks = {i: CheckResult(grade_id(cell, i), i, points(cell), "not run", "")
               for i, cell in enumerate(graded.cells) if is_check(cell)}
     report.checks = list(checks.values())
@@ -97,13 +102,7 @@ def grade(path: str | Path, release=None, timeout: float = DEFAULT_TIMEOUT_S,
 def _run(kernel: Kernel, verifier: Verifier, cells, checks: dict, report: Report, deadline: float,
          cell_timeout: float, timeout: float, progress: bool) -> str:
     """Run the cells; return why the cells left did not run."""
-    code, expressions, nonce = verifier.request(baseline=True)
-    baseline = kernel.run(code, VERIFY_TIMEOUT_S, silent=True, user_expressions=expressions)
-    state = verifier.parse(baseline, nonce)
-    if state is None:
-        raise RuntimeError(f"the grader could not take its baseline in the kernel ({baseline.status}: "
-                           f"{error_message(baseline.ename, baseline.evalue) if baseline.ename else 'no state'})")
-    verifier.start(state)
+    take_baseline(kernel, verifier, VERIFY_TIMEOUT_S)
     for index, cell_role, source in cells:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -126,21 +125,17 @@ def _run(kernel: Kernel, verifier: Verifier, cells, checks: dict, report: Report
             report.detail = (f"cell {index} ran past the limit and ignored the interrupt for "
                              f"{run.seconds - limit:.0f} s: the kernel was killed")
             return f"not run (kernel unresponsive after cell {index})"
-        code, expressions, nonce = verifier.request()
-        verified = kernel.run(code, VERIFY_TIMEOUT_S, silent=True, user_expressions=expressions)
-        state = verifier.parse(verified, nonce)
-        found = list(kernel.anomalies)
-        if state is None and verified.status == "died":
+        found = verify(kernel, verifier, index, cell_role, VERIFY_TIMEOUT_S)
+        if found is None:  # a check passes only once the verification after it has run: its reply may be forged
+            reason = f"the kernel died right after it, before the grader could verify it: {kernel.died_why()}"
+            if index in checks and checks[index].status == "passed":
+                checks[index].status, checks[index].message = "kernel died", reason
             report.outcome, report.detail = "kernel died", f"the kernel died after cell {index}: {kernel.died_why()}"
             return f"not run (the kernel died after cell {index})"
-        if state is None:
-            found.append(f"the grader's verification did not run after it ({verified.status})")
-        else:
-            found += verifier.after(state, index, cell_role)
         if found:
             report.outcome = "tampered"
             report.detail = f"cell {index} ({cell_role}) changed what the checks rely on"
-            report.tampering = [f"cell {index} ({cell_role}): {what}" for what in found[:20]]
+            report.tampering = [cap(f"cell {index} ({cell_role}): {what}", 300) for what in found[:20]]
             return "not run (tampered)"
     return "not run"
 

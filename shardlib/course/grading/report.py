@@ -6,17 +6,21 @@ MESSAGE_LIMIT characters, so a check that prints 50 MB writes a report of a few 
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 
 MESSAGE_LIMIT = 500  # characters kept of any message that comes from the notebook
+UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
 TRACEBACK = "Traceback (most recent call last):"
+MAX_REVIEW_LINES = 12
 # statuses a check can end with; only "passed" scores
 STATUSES = ("passed", "failed", "timed out", "out of memory", "kernel died", "not run", "tampered")
 
 
 def cap(text: str, limit: int = MESSAGE_LIMIT) -> str:
-    """`text` on one line, at most `limit` characters."""
-    text = " ".join(str(text).split())
+    """`text` on one line, at most `limit` characters, without control characters (a terminal's escape
+    sequences could move the cursor and overwrite a FAIL line) or bidirectional overrides."""
+    text = " ".join(UNPRINTABLE.sub(" ", str(text)[:limit * 4]).split())
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
@@ -56,6 +60,7 @@ class Report:
     outcome: str = "completed"  # completed | timed out | kernel died | out of memory | unresponsive | tampered | stopped
     detail: str = ""
     tampering: list[str] = field(default_factory=list)  # what the verification found changed, and where
+    review: list[str] = field(default_factory=list)  # what a reader should look at in the learner's cells (review.py)
     isolation: str = ""
     release: str = ""
     seconds: float = 0.0
@@ -76,6 +81,7 @@ class Report:
         checks = [dict(asdict(check), passed=check.passed, seconds=round(check.seconds, 1)) for check in self.checks]
         return {"notebook": self.notebook, "release": self.release, "score": self.score, "max_score": self.max_score,
                 "passed": self.passed, "outcome": self.outcome, "detail": self.detail, "tampering": self.tampering,
+                "review": self.review,
                 "isolation": self.isolation, "seconds": round(self.seconds, 1), "checks": checks,
                 "errors": self.errors}
 
@@ -97,6 +103,10 @@ def format_report(report: Report) -> str:
         lines.append(f"  code cell {error['cell']} {error['status']}: {cap(error['message'], 220)}")
     for found in report.tampering:
         lines.append(f"  TAMPERED: {found}")
+    for found in report.review[:MAX_REVIEW_LINES]:
+        lines.append(f"  REVIEW: {cap(found, 220)}")
+    if len(report.review) > MAX_REVIEW_LINES:
+        lines.append(f"  REVIEW: ... and {len(report.review) - MAX_REVIEW_LINES} more (--json lists them all)")
     if report.outcome != "completed":
         lines.append(f"  {report.outcome.upper()}: {report.detail}")
     if report.isolation:

@@ -3,8 +3,9 @@
     bubblewrap (bwrap, Debian's package `bubblewrap`), used whenever it is installed and works:
         the kernel runs in new PID, network, IPC and UTS namespaces, with every capability dropped,
         the whole file system read-only except its own scratch folder, and hidden (empty in its view):
-        the submissions, the release, the results, the course's solutions and the grader's home
-        (except the Python it runs). Processes in the PID namespace end with it, `setsid` or not.
+        the submissions, the release, the results, the course's solutions, the course's checkouts that
+        the grader knows of (all but the Python and the shardlib it runs: their solutions/, .git, tests/,
+        build/...) and the grader's home (except the Python it runs). Processes in the PID namespace end with it, `setsid` or not.
     none, where bubblewrap is missing: the kernel runs as the grader's own user, in a scratch folder.
 
 In both, the kernel is started through LAUNCHER, which sets resource limits before it starts: a
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import os
 import shutil
 import signal
@@ -32,6 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import unquote
 
 import psutil
 
@@ -86,8 +89,9 @@ def bubblewrap() -> str | None:
 
 
 def needed_paths() -> list[Path]:
-    """What the kernel must still see: this Python, its libraries and everything on its path."""
-    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, Path(sys.executable).resolve().parent, *sys.path]
+    """What the kernel must still see: this Python, its libraries, everything on its path, and shardlib."""
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, Path(sys.executable).resolve().parent, *sys.path,
+             Path(__file__).resolve().parents[2]]
     return [Path(p).resolve() for p in paths if p and Path(p).exists()]
 
 
@@ -106,6 +110,32 @@ def home_entries() -> list[Path]:
         return [entry for entry in Path.home().iterdir() if not entry.is_symlink()]
     except OSError:
         return []
+
+
+def course_checkouts() -> list[Path]:
+    """The course's source folders on this machine that the grader knows of: the one it runs from, and an
+    editable install's (each has the solutions, and its git history has them too)."""
+    found = [REPO_ROOT]
+    try:
+        from importlib.metadata import distribution
+
+        url = json.loads(distribution("shardlib").read_text("direct_url.json") or "{}").get("url", "")
+        if url.startswith("file://"):
+            found.append(Path(unquote(url[len("file://"):])))
+    except Exception:  # noqa: BLE001 - no such distribution, no such file: nothing more to hide
+        pass
+    return [p for p in found if (p / "pyproject.toml").is_file() and (p / "shardlib").is_dir()]
+
+
+def checkout_entries() -> list[Path]:
+    """Every entry of the course's checkouts (hideable() keeps what the kernel needs)."""
+    entries = []
+    for checkout in course_checkouts():
+        try:
+            entries += [entry for entry in checkout.iterdir() if not entry.is_symlink()]
+        except OSError:
+            pass
+    return entries
 
 
 @dataclass
@@ -178,7 +208,7 @@ def make_sandbox(scratch: Path, hide=(), memory_gib: float = DEFAULT_MEMORY_GIB,
     bwrap = bubblewrap() if isolation in ("auto", "bwrap") else None
     check_isolation(isolation)
     packaged = Path(__file__).resolve().parents[1] / "solutions"
-    hidden = hideable([*hide, REPO_ROOT / "solutions", packaged, *home_entries()], needed_paths()) if bwrap else []
+    hidden = hideable([*hide, packaged, *checkout_entries(), *home_entries()], needed_paths()) if bwrap else []
     return Sandbox(scratch, [p for p in hidden if p != scratch and p not in scratch.parents],
                    int(memory_gib * 2 ** 30), processes, bwrap)
 

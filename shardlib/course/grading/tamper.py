@@ -26,131 +26,24 @@ from __future__ import annotations
 import ast
 import builtins
 import json
+import re
 import secrets
 import symtable
+from pathlib import Path
+
+from shardlib.course.grading import probe
 
 RESULT_NAME = "_shardlib_grader_state_now"
-STATE_CODE = r'''
-def _shardlib_grader_state(chains, import_source, nonce):
-    import builtins, hashlib, inspect, json, sys, threading, types
-    static = inspect.getattr_static
-    values = (int, float, complex, str, bytes, bool, type(None), tuple, frozenset, range)
-
-    def digest(code):
-        h, stack = hashlib.sha256(), [code]
-        while stack:
-            c = stack.pop()
-            h.update(c.co_code + repr((c.co_names, c.co_varnames, c.co_freevars)).encode())
-            for k in c.co_consts:
-                stack.append(k) if isinstance(k, types.CodeType) else h.update(repr(k)[:200].encode())
-        return h.hexdigest()[:16]
-
-    def fp(obj):
-        kind = type(obj).__module__ + "." + type(obj).__qualname__
-        if isinstance(obj, types.MethodType):
-            return "method of %d: %s" % (id(obj.__self__), fp(obj.__func__))
-        if isinstance(obj, (staticmethod, classmethod)):
-            return kind + ": " + fp(obj.__func__)
-        if isinstance(obj, property):
-            return "property %s %s %s" % (fp(obj.fget), fp(obj.fset), fp(obj.fdel))
-        if isinstance(obj, types.FunctionType):
-            return "function %s.%s %d code %s globals %d defaults %.200r %.200r" % (
-                obj.__module__, obj.__qualname__, id(obj), digest(obj.__code__), id(obj.__globals__),
-                obj.__defaults__, obj.__kwdefaults__)
-        if isinstance(obj, values):
-            return "%s %d %s" % (kind, id(obj), hashlib.sha256(repr(obj).encode()).hexdigest()[:16])
-        return "%s %d" % (kind, id(obj))
-
-    def resolve(ns, chain):
-        parts = chain.split(".")
-        if parts[0] in ns:
-            obj, where = ns[parts[0]], "user"
-        elif hasattr(builtins, parts[0]):
-            obj, where = getattr(builtins, parts[0]), "builtin"
-        else:
-            return "unbound"
-        for attr in parts[1:]:
-            if not isinstance(obj, (types.ModuleType, type)):
-                return where + " instance"
-            try:
-                obj = static(obj, attr) if isinstance(obj, type) else getattr(obj, attr)
-            except AttributeError:
-                return where + " absent"
-        return where + " " + fp(obj)
-
-    private = {}
-    if import_source is not None:  # the baseline: first import what the released cells import
-        exec(import_source, private)
-        if "torch" in sys.modules:  # torch rebinds torch.manual_seed when torch._dynamo is first imported (lazily,
-            import torch._dynamo  # by torch.optim, torch.profiler or shardlib.launch): its own change, not tampering
-    shell = get_ipython()
-    kernel = getattr(shell, "kernel", None)
-    out = {"nonce": nonce}
-    owners = {"shell": shell, "kernel": kernel, "session": getattr(kernel, "session", None),
-              "compiler": getattr(shell, "compile", None), "displayhook": getattr(shell, "displayhook", None),
-              "transformer manager": getattr(shell, "input_transformer_manager", None),
-              "prefilter": getattr(shell, "prefilter_manager", None), "events": getattr(shell, "events", None)}
-    for label, owner in owners.items():
-        if owner is None:
-            continue
-        for cls in type(owner).__mro__:  # a base class patched is as good as the class itself
-            for name, value in list(vars(cls).items()):
-                if callable(value) or isinstance(value, (staticmethod, classmethod, property)):
-                    out["%s %s.%s" % (label, cls.__qualname__, name)] = fp(value)
-        for name in dir(owner):  # what a lookup on the object finds: an attribute set on it shadows its class's
-            try:
-                value = static(owner, name)
-            except AttributeError:
-                continue
-            if callable(value) or isinstance(value, (staticmethod, classmethod, property)):
-                out["%s.%s" % (label, name)] = fp(value)
-    manager, prefilter = owners["transformer manager"], owners["prefilter"]
-    lists = {"input_transformers_cleanup": shell.input_transformers_cleanup, "ast_transformers": shell.ast_transformers,
-             "input_transformers_post": shell.input_transformers_post,
-             "cleanup_transforms": getattr(manager, "cleanup_transforms", []),
-             "line_transforms": getattr(manager, "line_transforms", []),
-             "token_transformers": getattr(manager, "token_transformers", []),
-             "prefilter transformers": getattr(prefilter, "transformers", []),
-             "prefilter checkers": getattr(prefilter, "checkers", [])}
-    lists.update(("event " + name, callbacks) for name, callbacks in shell.events.callbacks.items())
-    for label, items in lists.items():
-        out["list " + label] = "%d %s" % (id(items), [fp(item) for item in items])
-    hooks = {"sys.excepthook": sys.excepthook, "sys.displayhook": sys.displayhook, "sys.gettrace()": sys.gettrace(),
-             "sys.getprofile()": sys.getprofile(), "sys.breakpointhook": sys.breakpointhook,
-             "threading trace": getattr(threading, "_trace_hook", None),
-             "threading profile": getattr(threading, "_profile_hook", None),
-             "shell.custom_exceptions": shell.custom_exceptions, "shell.CustomTB": getattr(shell, "CustomTB", None),
-             "shell.user_ns": shell.user_ns, "shell.user_global_ns": shell.user_global_ns,
-             "sys.modules": sys.modules, "builtins": sys.modules.get("builtins")}
-    for label, value in hooks.items():
-        out[label] = fp(value)
-    for name in ("shell_handlers", "control_handlers"):
-        for kind, handler in dict(getattr(kernel, name, None) or {}).items():
-            out["kernel.%s[%s]" % (name, kind)] = fp(handler)
-    if hasattr(sys, "monitoring"):
-        for tool in range(6):
-            out["sys.monitoring tool %d" % tool] = repr(sys.monitoring.get_tool(tool))
-    for name, value in vars(builtins).items():
-        if name not in ("_", "__", "___"):
-            out["builtins." + name] = fp(value)
-    classes = [int, float, bool, str, bytes, list, tuple, dict, set, frozenset, object, type, BaseException,
-               Exception, AssertionError]
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        classes += [torch.Tensor, torch._C.TensorBase]
-    for cls in classes:
-        for name in dir(cls):
-            try:
-                out["class %s.%s.%s" % (cls.__module__, cls.__qualname__, name)] = fp(static(cls, name))
-            except AttributeError:
-                pass
-    for chain in chains:
-        out["name " + chain] = resolve(shell.user_ns, chain)
-    for chain in chains:
-        if chain.split(".")[0] in private:
-            out["pristine " + chain] = resolve(private, chain)
-    return json.dumps(out)
-'''
+PROBE_SOURCE = Path(probe.__file__).read_text(encoding="utf-8")
+REQUEST = """\
+_shardlib_grader_probe = {{"__name__": "_shardlib_grader_probe"}}
+exec(compile({source!r}, "<shardlib grader>", "exec"), _shardlib_grader_probe)
+{result} = _shardlib_grader_probe["state"]({chains!r}, {data!r}, {nonce!r}, {roots!r}, {imports!r}, {released!r},
+                                            {files!r})
+del _shardlib_grader_probe
+"""
+BASELINE_ONLY = ("released files", "library roots")
+NOT_COMPARED = ("nonce", "walked", "walk", "shadows", "bases", "library modules")
 
 
 def python_source(cell_source: str) -> str:
@@ -184,6 +77,16 @@ def top_level_bindings(source: str) -> tuple[set[str], set[str], list[str]]:
     return imported, other, statements
 
 
+def assigned_data(source: str) -> set[str]:
+    """Names a cell binds at its top level by assignment (not by import, def or class): its data."""
+    try:
+        table = symtable.symtable(source, "<cell>", "exec")
+    except SyntaxError:
+        return set()
+    return {symbol.get_name() for symbol in table.get_symbols()
+            if symbol.is_assigned() and not symbol.is_namespace() and not symbol.is_imported()}
+
+
 def global_chains(source: str) -> set[str]:
     """Every dotted name (and its prefixes) a cell uses whose root is a global: `torch.testing.assert_close`."""
     try:
@@ -213,22 +116,32 @@ def global_chains(source: str) -> set[str]:
     return chains
 
 
-# event callbacks a learner's cell may add: the inline backend's and autoreload's (they cannot change a reply)
-BENIGN_CALLBACKS = ("function matplotlib_inline.", "function matplotlib.", "function IPython.extensions.autoreload.")
+# what a learner's cell may add to the event callbacks and display formatters: `%matplotlib inline`'s and
+# `%load_ext autoreload`'s (functions of these modules, from the library's files; they cannot change a reply)
+BENIGN_MODULES = ("matplotlib_inline.", "matplotlib.", "IPython.extensions.autoreload.", "IPython.core.pylabtools.")
+FUNCTION = re.compile(r"function (\S+) in (\S+) ")
 
 
-def only_benign_added(before: str, after: str) -> bool:
-    """Whether an event's callbacks (a fingerprint list) only gained callbacks of BENIGN_CALLBACKS."""
+def only_benign_added(before: str, after: str, library_roots: list[str], new_modules=frozenset()) -> bool:
+    """Whether a fingerprint list (event callbacks, a formatter's printers, sys.meta_path) only gained
+    functions of BENIGN_MODULES from the library's files, or objects of a library module just imported."""
     def items(text: str) -> list[str] | None:
         try:
-            return ast.literal_eval(text.split(" ", 1)[1])
+            found = ast.literal_eval(text.split(" ", 1)[1] if text[:1].isdigit() else text)
         except (IndexError, ValueError, SyntaxError):
             return None
+        return found if isinstance(found, list) else None
+
     old, new = items(before), items(after)
-    if old is None or new is None or new[:len(old)] != old:
+    if old is None or new is None or not set(old) <= set(new):
         return False
-    added = [item if item.startswith("function ") else item.split(": ", 1)[-1] for item in new[len(old):]]
-    return all(item.startswith(BENIGN_CALLBACKS) for item in added)
+    for item in set(new) - set(old):
+        found, origin = FUNCTION.search(item), item.rpartition("|")[2]
+        if origin in new_modules:
+            continue  # the library's code, of a module just imported (its finder on sys.meta_path)
+        if not (found and found[1].startswith(BENIGN_MODULES) and found[2].startswith(tuple(library_roots))):
+            return False
+    return True
 
 
 class Verifier:
@@ -238,35 +151,46 @@ class Verifier:
 
     def __init__(self, cells: list[tuple[int, str, str]], released_answers: list[str] | None = None):
         released = [(i, role, python_source(src)) for i, role, src in cells if role in ("locked", "check")]
+        self.released_sources = [src for _, role, src in cells if role in ("locked", "check")]
         if released_answers is None:
             released_answers = [src for _, role, src in cells if role == "answer"]
         answers = [python_source(src) for src in released_answers]
         answer_bound = set().union(*(set().union(*top_level_bindings(s)[:2]) for s in answers)) if answers else set()
-        self.imported, self.assigned, self.bound_by = set(), set(), {}
-        statements, chains = [], set()
+        self.imported, self.assigned, self.bound_by, self.uses = set(), set(), {}, {}
+        statements, chains, data = [], set(), set()
         self.calls_learner = set()  # released cells that use a name the answers define: they run learner code
         for index, _, source in released:
-            if {chain.split(".")[0] for chain in global_chains(source)} & answer_bound:
+            used = {chain.split(".")[0] for chain in global_chains(source)}
+            if used & answer_bound:
                 self.calls_learner.add(index)
             imported, other, found = top_level_bindings(source)
             self.imported |= imported
             self.assigned |= other
             self.bound_by[index] = imported | other
+            self.uses[index] = used | other
+            data |= assigned_data(source)
             statements += found
             chains |= global_chains(source)
         self.import_only = self.imported - self.assigned
         bound = (self.imported | self.assigned) - answer_bound
         builtin_names = set(dir(builtins)) - self.imported - self.assigned - answer_bound
         self.chains = sorted(c for c in chains if c.split(".")[0] in bound | builtin_names)
+        self.data_roots = sorted(data - answer_bound - self.imported)
         self.import_source = "\n".join(dict.fromkeys(statements))
         self.expected: dict[str, str] = {}
+        self.walk: dict[str, dict[str, str]] = {}  # {module or class: {name: hash}}, what the walk reached
+        self.shadows: dict[str, list[str]] = {}  # {module: its globals named like builtins}
+        self.modules: set[str] = set()  # the library's modules loaded so far
         self.pristine: dict[str, str] = {}
+        self.baseline: dict[str, str] = {}
 
     def request(self, baseline: bool = False) -> tuple[str, dict, str]:
         nonce = secrets.token_hex(8)
-        source = self.import_source if baseline else None
-        code = f"{STATE_CODE}\n{RESULT_NAME} = _shardlib_grader_state({self.chains!r}, {source!r}, {nonce!r})\n" \
-               "del _shardlib_grader_state"
+        code = REQUEST.format(source=PROBE_SOURCE, result=RESULT_NAME, chains=self.chains, data=self.data_roots,
+                              nonce=nonce, roots=self.baseline.get("library roots"),
+                              imports=self.import_source if baseline else None,
+                              released=self.released_sources if baseline else [],
+                              files=self.baseline.get("released files", []))
         return code, {"state": RESULT_NAME}, nonce
 
     @staticmethod
@@ -280,9 +204,16 @@ class Verifier:
 
     def start(self, state: dict) -> None:
         """The baseline, from the state taken before the notebook's first cell."""
+        if state.get("audit guard") != "alive":
+            raise RuntimeError(f"the grader's audit hook did not install in the kernel ({state.get('audit guard')})")
+        self.baseline = {key: state[key] for key in BASELINE_ONLY if key in state}
         self.pristine = {key[len("pristine "):]: value for key, value in state.items() if key.startswith("pristine ")}
         self.expected = {key: value for key, value in state.items()
-                         if not key.startswith(("pristine ", "name ", "nonce"))}
+                         if not key.startswith(("pristine ", "name ", "nonce"))
+                         and key not in (*BASELINE_ONLY, *NOT_COMPARED)}
+        self.walk = {group: dict(names) for group, names in state.get("walk", {}).items()}
+        self.modules = set(state.get("library modules", []))
+        self.shadows = dict(state.get("shadows", {}))
         for key, value in state.items():
             if key.startswith("name ") and value.startswith("builtin"):
                 self.expected[key] = value  # builtins the released cells use: never shadowed
@@ -290,35 +221,130 @@ class Verifier:
     def after(self, state: dict, index: int, role: str) -> list[str]:
         """What changed that may not have, after cell `index` (its role); the expectations moved on."""
         changed = []
-        own = self.bound_by.get(index, set())
+        own, uses = self.bound_by.get(index, set()), self.uses.get(index, set())
         if index in self.calls_learner:
             role = "check"  # a released cell that calls the learner's code may change no machinery either
+        new_modules = set(state.get("library modules", [])) - self.modules  # imported by this cell (or under it)
+        self.modules |= new_modules
+        changed += self._walk_changes(state.get("walk", {}), state.get("bases", {}), new_modules,
+                                      may_change=role == "locked")
+        changed += self._shadowing(state.get("shadows", {}), may_change=role == "locked")
         for key, value in state.items():
-            if key == "nonce" or key.startswith("pristine "):
+            if key in NOT_COMPARED or key.startswith("pristine "):
                 continue
             chain = key[len("name "):] if key.startswith("name ") else None
-            root = chain.split(".")[0] if chain else None
+            root = chain.split(".")[0] if chain else key[len("data "):] if key.startswith("data ") else None
             if chain and root in self.import_only and value.startswith("user") and chain in self.pristine:
                 if value != self.pristine[chain]:
                     changed.append(f"{chain} is not what `{self._import_of(root)}` gives")
                 continue
-            if chain and root in own:
-                self.expected[key] = value  # this released cell (re)bound it
+            if root and (root in own or (key.startswith("data ") and role != "answer" and role != "learner"
+                                         and root in uses)):
+                self.expected[key] = value  # this released cell (re)bound it, or may have changed what it uses
                 continue
             if key not in self.expected:
-                if chain is None and role == "locked":
+                if (chain is None and role == "locked") or key.startswith("data "):
                     self.expected[key] = value
                 continue
             if value != self.expected[key]:
-                if key.startswith("list event ") and only_benign_added(self.expected[key], value):
+                if key.startswith(("list ", "printers ")) and only_benign_added(
+                        self.expected[key], value, self.baseline.get("library roots", []), new_modules):
                     self.expected[key] = value  # `%matplotlib inline`, `%load_ext autoreload` in a learner's cell
                     continue
-                if role == "locked" and chain is None:
+                if role == "locked" and chain is None and not key.startswith(("data ", "canaries", "audit guard")):
                     self.expected[key] = value  # a released cell may change the machinery
                 elif not (chain and value == "unbound"):  # a deleted name fails the check by itself
-                    changed.append(f"{chain or key} was changed")
+                    changed.append(self._describe(key, chain, root, value))
+        if state.get("walked") == "limit" and self.expected.get("walked") != "limit":
+            changed.append(f"the grader's walk reached its limit of {probe.WALK_LIMIT} objects")
+        if role != "locked":
+            gone = [key for key in self.expected if key not in state and not key.startswith(("data ", "name "))]
+            changed += [f"{key} is gone" for key in gone[:5]]
         return changed
+
+    def _walk_changes(self, walk: dict, bases: dict, new_modules: set[str], may_change: bool) -> list[str]:
+        """What the walk reached that changed. New names are a library's lazy attributes, unless they shadow
+        a builtin in a module or add code to a class reached before (other than what it inherits anyway);
+        names no longer reached are not missed. Code of a library module this very cell imported, or the
+        library's wrapper around what was there, is a library's doing (transformers adds Module.smart_apply,
+        torch._dynamo wraps torch.manual_seed)."""
+        changed = []
+        for group, names in walk.items():
+            first_reached = group not in self.walk  # a module or class reached now (imported, used) for the first time
+            known = self.walk.setdefault(group, {})
+            for name, value in names.items():
+                _, origin, wraps = value.split("|")
+                by_import = origin in new_modules  # the library's code, of a module this cell imported
+                if name in known and origin and wraps == known[name].split("|")[0]:
+                    by_import = True  # a library's decorator around what was there (torch._dynamo: manual_seed)
+                if name not in known:
+                    inherited = next((self.walk[base][name] for base in bases.get(group, [])
+                                      if name in self.walk.get(base, {})), None)
+                    same = inherited is not None and value.partition("|")[0] == inherited.partition("|")[0]
+                    if not (may_change or first_reached or by_import or same) and group.startswith("class "):
+                        changed.append(f"{group.removeprefix('class ')}.{name} was added")
+                    elif not same:
+                        known[name] = value
+                elif known[name] != value:
+                    if may_change or by_import:
+                        known[name] = value
+                    else:
+                        changed.append(f"{group.removeprefix('module ').removeprefix('class ')}.{name} was changed")
+        return changed
+
+    def _shadowing(self, shadows: dict, may_change: bool) -> list[str]:
+        """Globals named like a builtin that a module reached before did not have: they shadow the builtin."""
+        changed = []
+        for module, names in shadows.items():
+            if module in self.shadows and module != "builtins":
+                added = sorted(set(names) - set(self.shadows[module]))
+                if added and not may_change:
+                    changed += [f"{module}.{name} was added: it shadows the builtin" for name in added]
+            if may_change or module not in self.shadows:
+                self.shadows[module] = names
+        return changed
+
+    @staticmethod
+    def _describe(key: str, chain: str | None, root: str | None, value: str = "") -> str:
+        if chain:
+            return f"{chain} was changed"
+        if key.startswith("data "):
+            return f"the data in `{root}` was changed"
+        kind, _, what = key.partition(" ")
+        said = {"canaries": "what the checks' primitives answer on known inputs changed (1.0 < 0.5, torch.equal, ...)",
+                "lying types": f"a class of the notebook's can lie to what a check compares: {value}",
+                "threads running notebook code": f"a thread runs the notebook's code: {value}",
+                "env": "the environment's SHARDLIB_ or IPYKERNEL_ variables were changed",
+                "audit guard": "the grader's audit hook is gone", "timer": f"an interval timer was armed ({what})",
+                "signal": f"the handler of signal {what} was changed", "list": f"{what} was changed",
+                "module": f"sys.modules[{what!r}] was replaced"}
+        return said.get(key, said.get(kind, f"{key} was changed"))
 
     def _import_of(self, root: str) -> str:
         return next((line for line in self.import_source.splitlines() if root in line.replace(",", " ").split()),
                     f"import {root}")
+
+
+def take_baseline(kernel, verifier: Verifier, timeout: float) -> None:
+    """The baseline, before the notebook's first cell; RuntimeError when it cannot be taken."""
+    code, expressions, nonce = verifier.request(baseline=True)
+    run = kernel.run(code, timeout, silent=True, user_expressions=expressions)
+    state = verifier.parse(run, nonce)
+    if state is None:
+        detail = f"{run.ename}: {str(run.evalue)[:300]}" if run.ename else "no state"
+        raise RuntimeError(f"the grader could not take its baseline in the kernel ({run.status}: {detail})")
+    verifier.start(state)
+
+
+def verify(kernel, verifier: Verifier, index: int, role: str, timeout: float) -> list[str] | None:
+    """What changed after cell `index` (kernel.Kernel's anomalies included); None when the kernel died."""
+    code, expressions, nonce = verifier.request()
+    run = kernel.run(code, timeout, silent=True, user_expressions=expressions)
+    state = verifier.parse(run, nonce)
+    found = list(kernel.anomalies)
+    if state is None and run.status == "died":
+        return None
+    if state is None:
+        return found + [f"the grader's verification did not run after it ({run.status}"
+                        + (f": {run.ename}" if run.ename else "") + ")"]
+    return found + verifier.after(state, index, role)
