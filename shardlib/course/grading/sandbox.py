@@ -183,6 +183,7 @@ class Sandbox:
         for name in ("home", "tmp", "work"):
             (self.scratch / name).mkdir(parents=True, exist_ok=True)
         env.update(HOME=str(self.scratch / "home"), TMPDIR=str(self.scratch / "tmp"), MPLBACKEND="Agg",
+                   SHARDLIB_PLAIN_RESULTS="1",  # the ranks' results come back as plain data (shardlib.plain_pickle)
                    MPLCONFIGDIR=str(self.scratch / "home"), IPYTHONDIR=str(self.scratch / "home" / ".ipython"),
                    PYTHONDONTWRITEBYTECODE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         env.setdefault("PATH", os.defpath)
