@@ -8,7 +8,8 @@ reader should look at, each with its cell and line:
 
     reaching in      frames, gc's object walks, ctypes, code objects, audit and import hooks, signals, threads,
                      the kernel (get_ipython, its sockets), sys.modules, builtins, pickling, dynamic names
-    monkeypatching   an attribute of a module or class set or deleted (`torch.allclose = ...`, `setattr`)
+    monkeypatching   an attribute of a module or class set or deleted (`torch.allclose = ...`, `setattr`),
+                     a library's private names (`ledger._open`), a process group's own collectives
     lying objects    a class defining comparisons, truth or __torch_function__, or subclassing a tensor or number
     the checks' data a function or an answer using a name only the check cells define (`BATCHES`, `ref_state`)
     ready answers    the library's own implementation of a technique, or a file named like the solutions
@@ -43,6 +44,9 @@ ATTRIBUTES = {"__code__", "__globals__", "__closure__", "__builtins__", "__subcl
               "__reduce__", "__reduce_ex__", "__setstate__", "f_back", "f_locals", "f_globals", "f_code", "tb_frame",
               "tb_next", "gi_frame", "cr_frame", "co_code", "user_ns", "user_global_ns", "shell_stream", "iopub_socket",
               "session", "__class__", "__dict__"}
+PROCESS_GROUP_CALLS = {"allreduce", "allgather", "allgather_coalesced", "allreduce_coalesced", "reduce_scatter",
+                       "_reduce_scatter_base", "_allgather_base", "alltoall", "alltoall_base", "distributed_c10d",
+                       "_get_default_group", "_get_backend"}
 CALLS = {"globals", "vars", "eval", "exec", "compile", "__import__", "get_ipython", "breakpoint"}
 LYING = {"__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool__", "__len__", "__float__", "__index__",
          "__torch_function__", "__torch_dispatch__", "__instancecheck__", "__subclasscheck__", "__getattribute__",
@@ -94,6 +98,10 @@ class Reader(ast.NodeVisitor):
                 self.note(node, f"uses {full}")
             elif top in MODULES and MODULES[top] is None and self.modules[root.id] == top:
                 self.note(node, f"uses {full}")
+        if node.attr in PROCESS_GROUP_CALLS:
+            self.note(node, f"calls .{node.attr}: a process group's own collective, which the ledger does not record")
+        if node.attr.startswith("_") and not node.attr.startswith("__") and self._library_object(node.value):
+            self.note(node, f"uses {ast.unparse(node)}: a library's private name")
         if node.attr in ATTRIBUTES and not (node.attr in ("__class__", "__dict__", "session")
                                             and isinstance(node.ctx, ast.Load)):
             self.note(node, f"{'reads' if isinstance(node.ctx, ast.Load) else 'sets'} .{node.attr}")
