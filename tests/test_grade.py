@@ -1,20 +1,19 @@
-"""`python -m shardlib grade`: release merging, bad input, scoring, a class, and real labs with planted mistakes.
+"""`python -m shardlib grade`: release merging, bad input, scoring, and real labs with planted mistakes.
 
 The scores expected here come from the labs' own metadata (points per check) and from reading what
 each planted mistake breaks, never from running the grader first. The sandbox, tampering, dying,
-forking and hanging notebooks are in tests/test_grade_sandbox.py.
+forking and hanging notebooks, and a class, are in tests/test_grade_sandbox.py.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from grade_helpers import REPO_ROOT, code, run_grader, statuses, submit, write_lab
+from grade_helpers import REPO_ROOT, code, run_grader, submit, write_lab
 from shardlib.course import labgen
 from shardlib.course.grading import cli, report, sandbox
 from shardlib.course.grading.notebook import against_release, read_notebook, role
@@ -117,32 +116,6 @@ def test_a_notebook_is_scored_from_the_kernels_replies(tmp_path: Path):
     assert len(json.dumps(found)) < 20_000, "a check printing 50 MB must not make a 50 MB report"
 
 
-@pytest.mark.slow
-def test_a_class_is_graded_into_reports_and_scores_outside_the_submissions(tmp_path: Path):
-    release = tmp_path / "release" / "labs"
-    lab = write_lab(release)
-    submissions = tmp_path / "submissions"
-    submit(lab, submissions / "alice")
-    submit(lab, submissions / "bob" / "week3", answer="def double(x):\n    return x")  # wrong (test_grade_sandbox)
-    submit(lab, submissions / "carol", answer="import os\ndef double(x):\n    os._exit(3)")
-    (submissions / "dave").mkdir()
-    before = sorted(p.relative_to(submissions) for p in submissions.rglob("*"))
-    out = tmp_path / "results"
-    returncode, summary, seconds = run_grader("--class", submissions, "--release", release.parent, "--out", out,
-                                              "--jobs", "2")
-    rows = {row["learner"]: row for row in csv.DictReader(open(out / "scores.csv", encoding="utf-8"))}
-    assert {name: (row["score"], row["outcome"]) for name, row in rows.items()} == {
-        "alice": ("2", "completed"), "bob": ("0", "completed"), "carol": ("0", "kernel died"),
-        "dave": ("0", "not submitted")}, rows
-    assert returncode == 1 and [line.split(":")[0] for line in summary["did_not_run"]] == [f"carol/{lab.name}"]
-    assert summary["not_submitted"] == [f"dave/{lab.name}"], summary
-    assert sorted(p.relative_to(submissions) for p in submissions.rglob("*")) == before, "nothing written there"
-    bob = json.loads((out / "bob.json").read_text(encoding="utf-8"))
-    assert statuses(bob["labs"][0]) == {"check-1": "failed", "check-2": "failed"}, bob  # failed, not tampered
-    assert "Score: 2 / 2 points" in (out / "alice.txt").read_text(encoding="utf-8")
-    print(f"a class of 4 (3 notebooks, 2 at once) graded in {seconds:.0f} s")
-
-
 # ---------------------------------------------------------------------------------
 # real labs: one planted mistake costs exactly its checks
 
@@ -198,3 +171,37 @@ def test_a_planted_mistake_costs_exactly_its_checks(name: str, tmp_path: Path):
     assert found["max_score"] == sum(points.values()) and found["outcome"] == "completed", found
     assert found["score"] == sum(points.values()) - sum(points[c] for c in broken), found
     assert returncode == 1
+
+
+def test_only_the_notebooks_own_comparisons_count_as_lying():
+    """The verification's list of classes whose own code answers comparisons: a library's dataclass (its __eq__
+    compiled by dataclasses from text, file name '<string>') is the library's; the notebook's own lying
+    __eq__, made the same way or written out, is not."""
+    import dataclasses
+    import types
+
+    import torch
+
+    from shardlib.comm.ledger import CommRecord
+    from shardlib.course.grading import probe
+
+    roots = [str(Path(dataclasses.__file__).parent), str(REPO_ROOT / "shardlib")]
+    before = probe.lying_types(torch, roots, set())
+    assert "CommRecord" not in before and CommRecord.__eq__.__code__.co_filename == "<string>"
+
+    @dataclasses.dataclass
+    class Written(dict):
+        def __eq__(self, other):
+            return True
+
+    import shardlib.comm.ledger as ledger
+
+    @dataclasses.dataclass(eq=False)
+    class Forged(float):  # a lie compiled as dataclasses compiles, in a library module's globals
+        a: int = 0
+
+    code = compile("def __eq__(self, other):\n    return True", "<string>", "exec").co_consts[0]
+    Forged.__eq__ = types.FunctionType(code, vars(ledger))
+    Forged.__dataclass_fields__ = {}
+    found = probe.lying_types(torch, roots, set())
+    assert "Written.__eq__" in found and "Forged.__eq__" in found, found

@@ -1,4 +1,4 @@
-"""The grader against notebooks that cheat, die, fork, hang or eat memory; and nothing outlives it.
+"""The grader against notebooks that cheat, die, fork, hang or eat memory; a class; and nothing outlives it.
 
 Each notebook is a small lab generated here (grade_helpers.double_solution) and graded by the command
 in a fresh process, as an instructor runs it, against its release. The expected outcomes are the ones
@@ -7,6 +7,7 @@ the grader's documentation states for each case (shardlib/course/grading/grade.p
 
 from __future__ import annotations
 
+import csv
 import json
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -125,33 +127,81 @@ def test_each_way_of_tampering_is_seen_and_a_clean_kernel_is_not_flagged(tmp_pat
     print("\n".join(f"{name}: {found[0]}" for name, found in seen.items()))
 
 
+E2E_TAMPERING = {  # graded end to end in the class below: a wrong answer that tampers scores 0 as tampered
+    "showtraceback silenced": TAMPERING["showtraceback silenced"][0],
+    "input transformer": "get_ipython().input_transformers_post.append(lambda lines: "  # the checks' asserts to nothing
+                         "[l.replace('assert ', 'pass #') for l in lines])",
+    **{name: TAMPERING[name][0] for name in ("torch.allclose replaced", "shardlib.launch replaced",
+                                             "a locked constant rebound")}}
+DIES = "import os\ndef double(x):\n    os._exit(3)"
+
+
+def learner_name(tampering: str) -> str:
+    return "t-" + "-".join(tampering.replace(".", " ").split())
+
+
+@pytest.fixture(scope="module")
+def graded_class(tmp_path_factory):
+    """One class graded once by the command, two notebooks at once, read by the tests below: alice right,
+    bob wrong (untampered, he scores 0 as failed: the tampering learners give the same wrong answer), carol's
+    kernel dies in a check, dave submits nothing, erin starts processes that try to outlive the grader,
+    and one learner per way of tampering in E2E_TAMPERING."""
+    root = tmp_path_factory.mktemp("class")
+    release = root / "release" / "labs"
+    lab = write_lab(release)
+    submissions = root / "submissions"
+    marker = f"shardlib-grader-test-class-{time.monotonic_ns()}"
+    submit(lab, submissions / "alice")
+    submit(lab, submissions / "bob" / "week3", answer=WRONG)
+    submit(lab, submissions / "carol", answer=DIES)
+    (submissions / "dave").mkdir()
+    submit(lab, submissions / "erin", answer=forking_answer(marker))
+    for name, tamper in E2E_TAMPERING.items():
+        submit(lab, submissions / learner_name(name), answer=f"{WRONG}\n{tamper}")
+    before = sorted(p.relative_to(submissions) for p in submissions.rglob("*"))
+    out = root / "results"
+    returncode, summary, seconds = run_grader("--class", submissions, "--release", release.parent, "--out", out,
+                                              "--jobs", "2")
+    left = leftovers(marker)
+    after = sorted(p.relative_to(submissions) for p in submissions.rglob("*"))
+    print(f"a class of {summary['learners']} ({summary['graded']} notebooks, 2 at once) graded in {seconds:.0f} s")
+    return SimpleNamespace(lab=lab, out=out, returncode=returncode, summary=summary, left=left,
+                           unchanged=before == after, report=lambda learner: json.loads(
+                               (out / f"{learner}.json").read_text(encoding="utf-8"))["labs"][0])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["showtraceback silenced", "input transformer", "torch.allclose replaced",
-                                  "shardlib.launch replaced", "a locked constant rebound"])
-def test_a_tampered_notebook_scores_0_as_tampered(name: str, tmp_path: Path):
-    lab = write_lab(tmp_path / "release")
-    tamper = TAMPERING[name][0]
-    if name == "input transformer":  # one that turns the checks' asserts into nothing
-        tamper = "get_ipython().input_transformers_post.append(lambda lines: [l.replace('assert ', 'pass #') " \
-                 "for l in lines])"
-    mine = submit(lab, tmp_path / "learner", answer=f"{WRONG}\n{tamper}")  # untampered, it scores 0 as failed:
-    # tests/test_grade.py grades the same wrong answer (bob's) against the same release
-    returncode, found, seconds = run_grader(mine, "--release", lab)
-    assert returncode == 1 and found["outcome"] == "tampered" and found["score"] == 0, found
+def test_a_class_is_graded_into_reports_and_scores_outside_the_submissions(graded_class):
+    out, lab, summary = graded_class.out, graded_class.lab, graded_class.summary
+    rows = {row["learner"]: row for row in csv.DictReader(open(out / "scores.csv", encoding="utf-8"))}
+    assert {name: (row["score"], row["outcome"]) for name, row in rows.items()} == {
+        "alice": ("2", "completed"), "bob": ("0", "completed"), "carol": ("0", "kernel died"),
+        "dave": ("0", "not submitted"), "erin": ("2", "completed"),
+        **{learner_name(name): ("0", "tampered") for name in E2E_TAMPERING}}, rows
+    assert graded_class.returncode == 1 and [line.split(":")[0] for line in summary["did_not_run"]] == [
+        f"carol/{lab.name}"], summary
+    assert summary["not_submitted"] == [f"dave/{lab.name}"] and summary["graded"] == len(rows) - 1, summary
+    assert graded_class.unchanged, "nothing written in the submissions"
+    assert statuses(graded_class.report("bob")) == {"check-1": "failed", "check-2": "failed"}  # failed, not tampered
+    assert "Score: 2 / 2 points" in (out / "alice.txt").read_text(encoding="utf-8")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(E2E_TAMPERING))
+def test_a_tampered_notebook_scores_0_as_tampered(name: str, graded_class):
+    found = graded_class.report(learner_name(name))
+    assert found["outcome"] == "tampered" and found["score"] == 0, found
     assert set(statuses(found).values()) == {"tampered"} and found["tampering"], found
-    print(f"{name}: score {found['score']}, exit {returncode}, {seconds:.1f} s: {found['tampering'][0]}")
+    print(f"{name}: score {found['score']}: {found['tampering'][0]}")
 
 
 @pytest.mark.slow
-def test_a_kernel_that_dies_inside_a_check_fails_it(tmp_path: Path):
-    lab = light_lab(tmp_path / "release")
-    mine = submit(lab, tmp_path / "learner", answer="import os\ndef double(x):\n    os._exit(3)")
-    returncode, found, seconds = run_grader(mine, "--release", lab)
-    assert returncode == 1 and found["outcome"] == "kernel died" and found["score"] == 0, found
+def test_a_kernel_that_dies_inside_a_check_fails_it(graded_class):
+    found = graded_class.report("carol")
+    assert found["outcome"] == "kernel died" and found["score"] == 0, found
     first, second = found["checks"]
     assert first["status"] == "kernel died" and "exited (status 3" in first["message"], first
     assert second["status"] == "not run" and f"the kernel died in cell {first['cell']}" in second["message"], second
-    print(f"os._exit in a check: score 0, exit {returncode}, {seconds:.1f} s")
 
 
 HUNGRY = """\
@@ -170,30 +220,48 @@ def double(x):
 """
 
 
+SPAWNING = """\
+import subprocess, sys
+def double(x):
+    if x == 2:  # the second check: more processes than allowed
+        children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(24)]
+        import time; time.sleep(600)
+    return x * 2
+"""
+
+
+@pytest.fixture(scope="module")
+def past_the_limits(tmp_path_factory):
+    """Two notebooks of the light lab graded at once as a class, under --memory 2 --processes 16: one
+    memory-hungry (HUNGRY), one starting 24 processes (SPAWNING); their reports."""
+    root = tmp_path_factory.mktemp("limits")
+    lab = light_lab(root / "release")
+    submit(lab, root / "submissions" / "hungry", answer=HUNGRY)
+    submit(lab, root / "submissions" / "spawning", answer=SPAWNING)
+    returncode, summary, seconds = run_grader("--class", root / "submissions", "--release", root / "release",
+                                              "--out", root / "results", "--jobs", "2", "--memory", "2",
+                                              "--processes", "16", "--cell-timeout", "120")
+    assert returncode == 1 and summary["graded"] == 2, summary
+    print(f"memory-hungry and spawning notebooks graded in {seconds:.0f} s")
+    return {learner: json.loads((root / "results" / f"{learner}.json").read_text(encoding="utf-8"))["labs"][0]
+            for learner in ("hungry", "spawning")}
+
+
 @pytest.mark.slow
-def test_memory_past_the_limit_is_reported_as_out_of_memory(tmp_path: Path):
-    lab = light_lab(tmp_path / "release")
-    mine = submit(lab, tmp_path / "learner", answer=HUNGRY)
-    returncode, found, seconds = run_grader(mine, "--release", lab, "--memory", "2", "--cell-timeout", "120")
+def test_memory_past_the_limit_is_reported_as_out_of_memory(past_the_limits):
+    found = past_the_limits["hungry"]
     first, second = found["checks"]
     assert first["status"] == "out of memory" and "MemoryError" in first["message"], found
     assert second["status"] == "out of memory" and found["outcome"] == "out of memory", found
-    assert "more than 2 GiB" in second["message"] and returncode == 1, second
-    print(f"memory-hungry: score {found['score']}, exit {returncode}, {seconds:.1f} s")
+    assert "more than 2 GiB" in second["message"], second
 
 
 @pytest.mark.slow
-def test_more_processes_than_allowed_end_the_kernel(tmp_path: Path):
-    lab = light_lab(tmp_path / "release")
-    answer = "import subprocess, sys\ndef double(x):\n    if x == 2:\n        children = [subprocess.Popen(" \
-             "[sys.executable, '-c', 'import time; time.sleep(600)']) for _ in range(24)]\n" \
-             "        import time; time.sleep(600)\n    return x * 2"
-    returncode, found, seconds = run_grader(submit(lab, tmp_path / "learner", answer=answer), "--release", lab,
-                                            "--processes", "16", "--cell-timeout", "120")
+def test_more_processes_than_allowed_end_the_kernel(past_the_limits):
+    found = past_the_limits["spawning"]
     first, second = found["checks"]
     assert first["status"] == "passed" and second["status"] == "kernel died", found
-    assert second["message"] == "too many processes: more than 16" and returncode == 1, second
-    print(f"too many processes: score {found['score']}, exit {returncode}, {seconds:.1f} s")
+    assert second["message"] == "too many processes: more than 16" and found["outcome"] == "kernel died", second
 
 
 def forking_answer(marker: str) -> str:
@@ -213,15 +281,17 @@ def double(x):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isolation", ["auto", "none"])
-def test_nothing_the_notebook_started_outlives_the_grader(isolation: str, tmp_path: Path):
-    marker = f"shardlib-grader-test-{isolation}-{time.monotonic_ns()}"
+def test_nothing_the_notebook_started_outlives_the_grader(tmp_path: Path, graded_class):
+    """Without the sandbox (the process tree is killed); in it (erin, in the class: the sandbox's namespace)."""
+    assert graded_class.report("erin")["score"] == 2 and not graded_class.left, (
+        f"processes outlived the class's grading: {graded_class.left}")
+    marker = f"shardlib-grader-test-none-{time.monotonic_ns()}"
     lab = light_lab(tmp_path / "release")
     mine = submit(lab, tmp_path / "learner", answer=forking_answer(marker))
-    returncode, found, seconds = run_grader(mine, "--release", lab, "--isolation", isolation)
+    returncode, found, seconds = run_grader(mine, "--release", lab, "--isolation", "none")
     assert returncode == 0 and found["score"] == 2, found
     assert not leftovers(marker), f"processes outlived the grader: {leftovers(marker)}"
-    print(f"forking ({isolation}: {found['isolation'].split(':')[0]}): score 2, exit 0, {seconds:.1f} s, none left")
+    print(f"forking (none): score 2, exit 0, {seconds:.1f} s, none left")
 
 
 STUBBORN = """\

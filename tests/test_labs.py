@@ -152,3 +152,35 @@ def test_a_check_that_cannot_fail_is_caught(tmp_path: Path):
     assert len(problems) == 2 and "cell 3 passes" in problems[0] and "NameError" in problems[1], problems
     assert cells_that_fail(execute(solution, cwd=tmp_path)) == [
         "cell 3 raised NameError: 'assert undefined_name'"]
+
+
+def released_cell(lab: str, defines: str) -> str:
+    cells = [c for c in json.loads((REPO_ROOT / "labs" / lab).read_text(encoding="utf-8"))["cells"]
+             if c["cell_type"] == "code" and f"def {defines}(" in "".join(c["source"])]
+    assert len(cells) == 1, f"{lab}: {len(cells)} cells define {defines}"
+    return "".join(cells[0]["source"])
+
+
+def test_the_zero3_memory_probe_counts_memory_however_it_is_reached():
+    """The released p1 probe against byte counts known by construction: memory kept under a second, tiny
+    storage over the same bytes (numpy's, listed first) or only as a gradient is counted, each byte once."""
+    import numpy as np
+    import torch
+
+    probe = {"torch": torch}  # the lab imports it in an earlier cell
+    exec(released_cell("p1_zero3_from_scratch.ipynb", "live_tensor_bytes"), probe)  # noqa: S102 - the lab's own cell
+    live = probe["live_tensor_bytes"]
+    memory = np.zeros(125_000)  # 1 MB
+    base = live()
+    tiny = torch.from_numpy(memory[:1])  # 8 bytes at the same address: formerly the only storage counted there
+    full = torch.from_numpy(memory)
+    assert tiny.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+    assert live() - base == 1_000_000, f"aliased storages: {live() - base} bytes counted, 1,000,000 kept"
+    views = [full[:10], full[5:], full.view(2, -1)]
+    assert live() - base == 1_000_000, "views of one storage count its bytes once"
+    del tiny, full, views
+    weight = torch.zeros(1000, dtype=torch.float64, requires_grad=True)
+    (weight * 2).sum().backward()  # weight.grad: 8,000 bytes with no Python object until read
+    assert live() - base == 16_000, f"a parameter and its gradient: {live() - base} bytes counted, 16,000 kept"
+    weight.untyped_storage().resize_(0)
+    assert live() - base == 8_000, "a storage resized to 0 counts 0"

@@ -524,9 +524,39 @@ def lying_types(torch, roots, released):
                 value = value.__func__ if type(value) in (staticmethod, classmethod) else value
                 if type(value) is types.FunctionType:
                     filename = value.__code__.co_filename
-                    if not (type(filename) is str and (filename.startswith(roots) or filename in released)):
+                    if not (type(filename) is str and (filename.startswith(roots) or filename in released)
+                            or made_by_dataclasses(sub, value, roots)):
                         found.append(f"{type_name(sub)}.{name}")
     return str(sorted(found))
+
+
+def made_by_dataclasses(cls, function, roots) -> bool:
+    """A library dataclass's own comparison: compiled by dataclasses from text (file name '<string>') with the
+    globals of the module defining the class, a module of the library's, and the very code dataclasses makes
+    for those fields (the same bytecode, names and constants)."""
+    name = dict.get(function.__globals__, "__name__")
+    module = sys.modules.get(name) if type(name) is str else None
+    filename = dict.get(module.__dict__, "__file__") if type(module) is types.ModuleType else None
+    code, fields = function.__code__, TYPE_DICT(cls).get("__dataclass_fields__")
+    if not (code.co_filename == "<string>" and type(fields) is dict and type(filename) is str
+            and function.__globals__ is module.__dict__ and str.startswith(filename, roots)):
+        return False
+    made = _dataclass_comparisons(tuple(n for n in code.co_names if type(n) is str and n.isidentifier()))
+    twin = made.get(code.co_name)
+    return twin is not None and (code.co_code, code.co_consts, code.co_names) == (
+        twin.co_code, twin.co_consts, twin.co_names)
+
+
+@functools.lru_cache(maxsize=None)
+def _dataclass_comparisons(names: tuple) -> dict:
+    """The comparisons dataclasses compiles for fields `names` (those between '__class__' and 'NotImplemented')."""
+    import dataclasses
+
+    fields = names[1:-1] if names[:1] == ("__class__",) and names[-1:] == ("NotImplemented",) else ()
+    if not fields or len(set(fields)) != len(fields) or any(n.startswith("__") for n in fields):
+        return {}
+    twin = dataclasses.make_dataclass("Twin", list(fields), eq=True, order=True)
+    return {name: vars(twin)[name].__code__ for name in ("__eq__", "__lt__", "__le__", "__gt__", "__ge__")}
 
 
 def state(chains, data_roots, nonce, roots, baseline_imports=None, released_sources=(), released_files=()):
