@@ -568,6 +568,8 @@ def state(chains, data_roots, nonce, roots, baseline_imports=None, released_sour
     if baseline_imports is not None:
         private = {}
         exec(baseline_imports, private)
+        if "torch" in sys.modules:  # torch rebinds torch.manual_seed when torch._dynamo is first imported (lazily,
+            import torch._dynamo  # noqa: F401 - by torch.optim, torch.profiler or shardlib.launch): not tampering
         extra["released files"] = [shell.compile.get_code_name(source, source, 0) for source in released_sources]
         extra["library roots"] = roots = library_roots()
         released_files = extra["released files"]
