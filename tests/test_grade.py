@@ -15,8 +15,8 @@ import pytest
 
 from grade_helpers import REPO_ROOT, code, run_grader, submit, write_lab
 from shardlib.course import labgen
-from shardlib.course.grading import cli, report, sandbox
-from shardlib.course.grading.notebook import against_release, read_notebook, role
+from shardlib.course.grading import cli, report, review, sandbox
+from shardlib.course.grading.notebook import against_release, grade_id, is_answer, read_notebook, role
 
 RANK_ERROR = ("rank 1 failed; its traceback follows.\n\nTraceback (most recent call last):\n"
               "  File \"launch.py\", line 224, in _rank_main\n    result = fn(*args)\n"
@@ -205,3 +205,40 @@ def test_only_the_notebooks_own_comparisons_count_as_lying():
     Forged.__dataclass_fields__ = {}
     found = probe.lying_types(torch, roots, set())
     assert "Written.__eq__" in found and "Forged.__eq__" in found, found
+
+
+TRANSIENT = {  # a wrong answer that changes what the checks read while they run and undoes it before the
+    # verification after the cell (a thread, a callback after the cell): the kernel's verification sees nothing
+    "a thread": "import sys, threading, time\ndef double(x):\n    global TOL\n    old = TOL\n    TOL = 1e9\n"
+                "    EXPECTED[2] = x\n    def undo():\n        time.sleep(0.01)\n        global TOL\n        TOL = old\n"
+                "        EXPECTED[2] = 4\n    threading.Thread(target=undo).start()\n    return x",
+    "a callback after the cell": "def double(x):\n    global TOL\n    old, events = TOL, get_ipython().events\n"
+                                 "    TOL = 1e9\n    EXPECTED.update({2: x})\n    def undo(result):\n"
+                                 "        global TOL\n        TOL = old\n        EXPECTED.update({2: 4})\n"
+                                 "        events.unregister('post_run_cell', undo)\n"
+                                 "    events.register('post_run_cell', undo)\n    return x",
+}
+
+
+def reading(submission: Path, lab: Path) -> list[str]:
+    """The grader's reading of `submission` graded against `lab` (as grade.grade makes it)."""
+    release = read_notebook(lab)
+    graded = against_release(read_notebook(submission), release)
+    stubs = [c.source for c in release.cells if c.cell_type == "code" and is_answer(c)]
+    return review.review([(i, role(c), c.source, grade_id(c, i)) for i, c in enumerate(graded.cells)
+                          if c.cell_type == "code" and c.source.strip()], stubs)
+
+
+@pytest.mark.parametrize("how", sorted(TRANSIENT))
+def test_the_reading_lists_changes_to_the_released_names_made_from_an_answer(how: str, tmp_path: Path):
+    lab = write_lab(tmp_path)
+    found = reading(submit(lab, tmp_path / "learner", answer=TRANSIENT[how]), lab)
+    assert any("declares global TOL" in line for line in found), found
+    assert any("the released cells' EXPECTED, in place" in line for line in found), found
+    assert not [line for line in reading(submit(lab, tmp_path / "honest"), lab) if "released cells" in line]
+
+
+@pytest.mark.parametrize("name", [path.name for path in sorted((REPO_ROOT / "solutions").glob("*.ipynb"))])
+def test_the_answer_keys_change_no_released_name(name: str):
+    found = reading(REPO_ROOT / "solutions" / name, REPO_ROOT / "labs" / name)
+    assert not [line for line in found if "released cells" in line], found

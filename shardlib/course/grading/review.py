@@ -11,7 +11,10 @@ reader should look at, each with its cell and line:
     monkeypatching   an attribute of a module or class set or deleted (`torch.allclose = ...`, `setattr`),
                      a library's private names (`ledger._open`), a process group's own collectives
     lying objects    a class defining comparisons, truth or __torch_function__, or subclassing a tensor or number
-    the checks' data a function or an answer using a name only the check cells define (`BATCHES`, `ref_state`)
+    the checks' data a function or an answer using a name only the check cells define (`BATCHES`, `ref_state`);
+                     a name the released cells define rebound from a function (`global TOL`) or changed in
+                     place (`EXPECTED[2] = ...`, `.update(...)`): undone before the verification, the kernel's
+                     verification would not see it
     ready answers    the library's own implementation of a technique, or a file named like the solutions
 
 The list never changes the score: an honest cell can hit it, and code can be written to dodge a reading.
@@ -206,6 +209,69 @@ def check_only_names(cells) -> dict[str, str]:
     return {name: check for name, check in by_checks.items() if name not in others}
 
 
+MUTATORS = {"update", "append", "extend", "insert", "pop", "popitem", "clear", "setdefault", "add", "remove",
+            "discard", "sort", "reverse", "copy_", "fill_", "zero_", "add_", "sub_", "mul_", "div_", "set_",
+            "resize_", "__setitem__", "__delitem__", "__setattr__"}
+
+
+def released_names(cells, stubs=()) -> set[str]:
+    """The names the released cells (locked and checks) bind, but for those the answers' stubs bind."""
+    released, learners = set(), set()
+    for _, role, source, _ in cells:
+        if role in ("locked", "check"):
+            released |= top_level_bindings(python_source(source))[1]
+    for stub in stubs:
+        learners |= set().union(*top_level_bindings(python_source(stub))[:2])
+    return released - learners
+
+
+def changes_to_released(text: str, released: set[str]) -> list[tuple[int, str]]:
+    """(line, what) for each `global NAME` of a released name, and each change made in place to one (a name
+    local to the function it is in is the learner's own)."""
+    try:
+        tree, table = ast.parse(text), symtable.symtable(text, "<cell>", "exec")
+    except SyntaxError:
+        return []
+    found = []
+
+    def visit(node, scope):
+        for child in ast.iter_child_nodes(node):
+            inner = scope
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                name = getattr(child, "name", "lambda")
+                inner = next((t for t in scope.get_children() if t.get_name() == name
+                              and t.get_lineno() == child.lineno), scope)
+            note(child, scope)
+            visit(child, inner)
+
+    def is_released(name: str, scope) -> bool:
+        if name not in released:
+            return False
+        try:
+            symbol = scope.lookup(name)
+        except KeyError:
+            return True
+        return scope.get_type() == "module" or symbol.is_global() or not (symbol.is_local() or symbol.is_free())
+
+    def note(node, scope):
+        if isinstance(node, ast.Global):
+            for name in sorted(set(node.names) & released):
+                found.append((node.lineno, f"declares global {name}: rebinds a name the released cells define"))
+        elif isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            root = node.value
+            while isinstance(root, (ast.Subscript, ast.Attribute)):
+                root = root.value
+            if isinstance(root, ast.Name) and is_released(root.id, scope):
+                found.append((node.lineno, f"changes {ast.unparse(node)[:60]}: the released cells' {root.id}, in place"))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
+              and isinstance(node.func.value, ast.Name) and is_released(node.func.value.id, scope)):
+            found.append((node.lineno, f"calls {node.func.value.id}.{node.func.attr}(): the released cells' "
+                                       f"{node.func.value.id}, in place"))
+
+    visit(tree, table)
+    return found
+
+
 def review(cells, stubs=()) -> list[str]:
     """What a reader should look at in the learner's cells. cells: [(index, role, source, grade_id)];
     stubs: the answers as released (the names they bind are the learner's to define)."""
@@ -220,7 +286,7 @@ def review(cells, stubs=()) -> list[str]:
             for node in tree.body:
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
                     modules.update(imported_names(node))
-    findings = []
+    released, findings = released_names(cells, stubs), []
     for index, role, source, _ in cells:
         if role not in ("answer", "learner"):
             continue
@@ -234,6 +300,7 @@ def review(cells, stubs=()) -> list[str]:
         for name in sorted(globals_used(text, top_level=role == "answer") & set(check_only)):
             reader.found.append((first_line(tree, name), f"uses {name}, which only {check_only[name]} defines: "
                                                           "the checks' own data"))
+        reader.found += changes_to_released(text, released)
         for line, what in sorted(set(reader.found)):
             findings.append(f"cell {index} ({role}) line {line}: {what}")
     return findings
