@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from shardlib import launch, plain_pickle
+from shardlib.comm import comm_ledger
 from shardlib.comm.ledger import CommRecord
 
 RAN = []
@@ -81,12 +82,20 @@ def equal_tensor():
     return torch.zeros(2).as_subclass(Equal)
 
 
+def ledger_of_an_all_reduce():
+    with comm_ledger(record_torch=True) as ledger:
+        torch.distributed.all_reduce(torch.ones(3))
+    return ledger
+
+
 def test_under_the_grader_a_rank_cannot_send_back_a_lying_tensor(monkeypatch):
     assert type(launch(equal_tensor, 1, device="cpu")[0]) is Equal  # an ordinary launch takes anything
     monkeypatch.setenv(plain_pickle.ENV, "1")
     with pytest.raises(pickle.UnpicklingError, match="may not come back from a rank"):
         launch(equal_tensor, 1, device="cpu")
     assert torch.equal(launch(torch.ones, 1, args=(2,), device="cpu")[0], torch.ones(2))
+    ledger = launch(ledger_of_an_all_reduce, 1, device="cpu")[0]  # a rank's ledger, as lab 01 returns it
+    assert [(r.kind, r.nbytes) for r in ledger.records] == [("all_reduce", 12)], ledger.records
 
 
 def test_only_records_defined_in_a_shardlib_module_come_back():

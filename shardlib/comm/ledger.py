@@ -35,7 +35,7 @@ import inspect
 import threading
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -53,11 +53,11 @@ class CommRecord:
     peers: tuple[int, ...]  # p2p: the other rank (global); collectives: the group's global ranks
 
 
+@dataclass(eq=False)  # a record, so that a rank may send it back as plain data (shardlib.plain_pickle)
 class CommLedger:
     """Every communication call of one rank while the ledger is open."""
 
-    def __init__(self):
-        self.records: list[CommRecord] = []
+    records: list[CommRecord] = field(default_factory=list)
 
     def calls(self, kind: str | None = None) -> int:
         return sum(1 for r in self.records if kind is None or r.kind == kind)
