@@ -42,10 +42,12 @@ ALIVE_EVENT = "shardlib.grader.alive"
 def library_roots():
     """Folders whose code is the library's: the Python installation, its site folders, and the folder of
     every top-level module or package loaded before the notebook's first cell (each ending in a separator);
-    never a folder the kernel may write (its home, its temporary files, its working folder)."""
+    never a folder the kernel may write (its home, its temporary files, its working folder, /tmp: a module's
+    folder there counts only where the sandbox made it read-only, as it does for a course cloned into /tmp)."""
     import site
 
-    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages()}
+    python = {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages()}  # wherever it lives (/tmp too)
+    roots = set(python)
     for name, module in list(sys.modules.items()):
         path = vars(module).get("__file__") if type(module) is type(sys) else None
         if "." not in name and type(path) is str and path:
@@ -54,8 +56,9 @@ def library_roots():
                      for p in (os.environ.get("HOME", ""), os.environ.get("TMPDIR", ""), os.getcwd(), "/tmp") if p)
     found = {os.path.realpath(root).rstrip(os.sep) + os.sep for root in roots if root} | {
         root.rstrip(os.sep) + os.sep for root in roots if root}
-    found = {root for root in found if root != os.sep and not root.startswith(writable)
-             and not any(w.startswith(root) for w in writable)}
+    python = {os.path.realpath(root).rstrip(os.sep) + os.sep for root in python if root}
+    found = {root for root in found if root != os.sep and not any(w.startswith(root) for w in writable)
+             and (root in python or not root.startswith(writable) or not os.access(root, os.W_OK))}
     return sorted(root for root in found if not any(root != other and root.startswith(other) for other in found))
 
 

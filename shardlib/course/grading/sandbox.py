@@ -95,6 +95,13 @@ def needed_paths() -> list[Path]:
     return [Path(p).resolve() for p in paths if p and Path(p).exists()]
 
 
+def needed_under_fresh_folders() -> list[Path]:
+    """The needed paths that the sandbox's fresh /tmp and /dev/shm would hide, outermost only."""
+    fresh = [Path("/tmp").resolve(), Path("/dev/shm").resolve()]
+    under = sorted({p for p in needed_paths() if any(f in p.parents for f in fresh)}, key=lambda p: len(p.parts))
+    return [p for i, p in enumerate(under) if not any(q == p or q in p.parents for q in under[:i])]
+
+
 def hideable(paths, needed: list[Path]) -> list[Path]:
     """The existing paths of `paths` that hold nothing the kernel needs (none is above a needed path)."""
     out = []
@@ -169,6 +176,8 @@ class Sandbox:
     def _bwrap_args(self) -> list[str]:
         args = [self.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
                 "--tmpfs", "/dev/shm"]
+        for path in needed_under_fresh_folders():  # a course cloned into /tmp keeps its Python and shardlib
+            args += ["--ro-bind", str(path), str(path)]
         for device in sorted(Path("/dev").glob("nvidia*")):  # GPUs stay usable
             args += ["--dev-bind", str(device), str(device)]
         for path in self.hidden:
