@@ -6,7 +6,7 @@
     python3 course.py test [ARGS] set up .venv if needed, then run all tests
                                   (pytest over tests/, nbval over notebooks/; the lab solutions run in tests/test_labs.py);
                                   ARGS go to pytest, e.g. `-x`, `-k ring`, `-m "not slow"` (the fast tier),
-                                  or paths to run only those; two workers share the files (pytest-xdist),
+                                  or paths to run only those; three workers share the files (pytest-xdist),
                                   `-n 0` or `-p no:xdist` runs them one at a time in one process
     python3 course.py labs [ARGS] regenerate labs/ from solutions/ (`python -m shardlib labs`)
     python3 course.py site [DIR]  build the course's website from the executed notebooks into DIR
@@ -69,11 +69,11 @@ PYTEST_OPTIONS = [
     "--nbval-cell-timeout=900",
     "--nbval-kernel-startup-timeout=300",
 ]
-# Two workers (pytest-xdist), one per core of the 2-core machine the suite is sized for: much of the
-# suite waits (kernels and ranks starting, timeouts, emulated devices), and the other worker runs
-# meanwhile. Each file runs whole on one worker, in its order (a notebook's cells share one kernel, a
+# Three workers (pytest-xdist) on the 2-core machine the suite is sized for: much of the suite waits
+# (kernels and ranks starting, timeouts, emulated devices): on two workers the cores were busy 54% of the
+# wall time (user + system 26 min in 24 min on 2 cores, quiet), so a third worker runs meanwhile. Each file runs whole on one worker, in its order (a notebook's cells share one kernel, a
 # module's fixtures are made once); tests/conftest.py hands the files out longest first.
-WORKERS = ["-n", "2", "--dist", "loadfile", "--no-loadscope-reorder"]
+WORKERS = ["-n", "3", "--dist", "loadfile", "--no-loadscope-reorder"]
 SERIAL = {"-pno:xdist", "--pdb", "--trace"}  # pytest-xdist off (also `-p no:xdist`), a debugger at the terminal
 
 TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MPLBACKEND": "Agg"}

@@ -142,7 +142,7 @@ def test_the_tests_run_on_two_workers_unless_the_arguments_ask_for_one_process(m
     for extra in (["-p", "no:xdist"], ["-pno:xdist"], ["-x", "--pdb"], ["--trace"]):
         course.run_tests(Path("python"), extra)
         assert not set(course.WORKERS) & set(called[-1][:len(called[-1]) - len(extra)]), called[-1]
-    assert course.WORKERS[:2] == ["-n", "2"] and "loadfile" in course.WORKERS
+    assert course.WORKERS[:2] == ["-n", "3"] and "loadfile" in course.WORKERS
 
 
 def test_cpu_torch_installs_pytorchs_cpu_build_at_pyprojects_version_first(course, tmp_path: Path):
