@@ -71,7 +71,8 @@ PYTEST_OPTIONS = [
 ]
 # Three workers (pytest-xdist) on the 2-core machine the suite is sized for: much of the suite waits
 # (kernels and ranks starting, timeouts, emulated devices): on two workers the cores were busy 54% of the
-# wall time (user + system 26 min in 24 min on 2 cores, quiet), so a third worker runs meanwhile. Each file runs whole on one worker, in its order (a notebook's cells share one kernel, a
+# wall time (user + system 26 min in 24 min on 2 cores, quiet), so a third worker runs meanwhile (the same
+# suite then took 23 min). Each file runs whole on one worker, in its order (a notebook's cells share one kernel, a
 # module's fixtures are made once); tests/conftest.py hands the files out longest first.
 WORKERS = ["-n", "3", "--dist", "loadfile", "--no-loadscope-reorder"]
 SERIAL = {"-pno:xdist", "--pdb", "--trace"}  # pytest-xdist off (also `-p no:xdist`), a debugger at the terminal
