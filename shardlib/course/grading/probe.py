@@ -46,19 +46,21 @@ def library_roots():
     folder there counts only where the sandbox made it read-only, as it does for a course cloned into /tmp)."""
     import site
 
-    python = {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages()}  # wherever it lives (/tmp too)
-    roots = set(python)
+    def folder(path):
+        return os.path.realpath(path).rstrip(os.sep) + os.sep
+
+    installation = {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages()}  # wherever it lives
+    roots = set(installation)
     for name, module in list(sys.modules.items()):
         path = vars(module).get("__file__") if type(module) is type(sys) else None
         if "." not in name and type(path) is str and path:
             roots.add(os.path.dirname(path))
-    writable = tuple(os.path.realpath(p).rstrip(os.sep) + os.sep
-                     for p in (os.environ.get("HOME", ""), os.environ.get("TMPDIR", ""), os.getcwd(), "/tmp") if p)
-    found = {os.path.realpath(root).rstrip(os.sep) + os.sep for root in roots if root} | {
-        root.rstrip(os.sep) + os.sep for root in roots if root}
-    python = {os.path.realpath(root).rstrip(os.sep) + os.sep for root in python if root}
+    writable = tuple(folder(p) for p in (os.environ.get("HOME", ""), os.environ.get("TMPDIR", ""), os.getcwd(), "/tmp")
+                     if p)
+    installation = {folder(root) for root in installation if root}
+    found = {folder(root) for root in roots if root} | {root.rstrip(os.sep) + os.sep for root in roots if root}
     found = {root for root in found if root != os.sep and not any(w.startswith(root) for w in writable)
-             and (root in python or not root.startswith(writable) or not os.access(root, os.W_OK))}
+             and (root in installation or not root.startswith(writable) or not os.access(root, os.W_OK))}
     return sorted(root for root in found if not any(root != other and root.startswith(other) for other in found))
 
 
