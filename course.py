@@ -77,7 +77,9 @@ PYTEST_OPTIONS = [
 WORKERS = ["-n", "3", "--dist", "loadfile", "--no-loadscope-reorder"]
 SERIAL = {"-pno:xdist", "--pdb", "--trace"}  # pytest-xdist off (also `-p no:xdist`), a debugger at the terminal
 
-TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MPLBACKEND": "Agg"}
+# OMP_NUM_THREADS: the workers, their kernels and their ranks outnumber the cores; a process with two OpenMP
+# threads then waits for the one descheduled (tests/conftest.py: 144 s against 1.4 s for one set of generations)
+TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
 
 
 def worker_options(extra: list) -> list:

@@ -103,7 +103,8 @@ def _run(kernel: Kernel, verifier: Verifier, cells, checks: dict, report: Report
          cell_timeout: float, timeout: float, progress: bool) -> str:
     """Run the cells; return why the cells left did not run."""
     take_baseline(kernel, verifier, VERIFY_TIMEOUT_S)
-    for index, cell_role, source in cells:
+    waiting = []  # released cells whose verification is the next cell's (Verifier.can_wait)
+    for position, (index, cell_role, source) in enumerate(cells):
         left = deadline - time.monotonic()
         if left <= 0:
             report.outcome, report.detail = "timed out", f"the notebook ran past the grader's limit of {timeout:g} s"
@@ -125,7 +126,12 @@ def _run(kernel: Kernel, verifier: Verifier, cells, checks: dict, report: Report
             report.detail = (f"cell {index} ran past the limit and ignored the interrupt for "
                              f"{run.seconds - limit:.0f} s: the kernel was killed")
             return f"not run (kernel unresponsive after cell {index})"
-        found = verify(kernel, verifier, index, cell_role, VERIFY_TIMEOUT_S)
+        following = cells[position + 1] if position + 1 < len(cells) else None
+        if following is not None and verifier.can_wait(index, cell_role, following[0], following[1]):
+            waiting.append(index)
+            continue
+        found = verify(kernel, verifier, index, cell_role, VERIFY_TIMEOUT_S, covering=waiting)
+        waiting = []
         if found is None:  # a check passes only once the verification after it has run: its reply may be forged
             reason = f"the kernel died right after it, before the grader could verify it: {kernel.died_why()}"
             if index in checks and checks[index].status == "passed":

@@ -28,6 +28,7 @@ import functools
 import hashlib
 import inspect
 import json
+import marshal
 import os
 import signal
 import sys
@@ -133,9 +134,9 @@ CODE_LIKE = (types.FunctionType, types.MethodType, staticmethod, classmethod, pr
 TYPE_DICT, TYPE_MRO = type.__dict__["__dict__"].__get__, type.__dict__["__mro__"].__get__
 TYPE_MODULE, TYPE_QUALNAME = type.__dict__["__module__"].__get__, type.__dict__["__qualname__"].__get__
 BUILTIN_NAMES = frozenset(vars(builtins))
-WATCHED_PACKAGES = ("builtins", "sys", "json", "hashlib", "inspect", "types", "math", "operator", "functools",
-                    "IPython", "ipykernel", "jupyter_client", "zmq", "torch", "numpy", "shardlib", "gc", "warnings",
-                    "collections", "signal", "threading", "pickle", "multiprocessing")
+WATCHED_PACKAGES = ("builtins", "sys", "json", "hashlib", "marshal", "inspect", "types", "math", "operator",
+                    "functools", "IPython", "ipykernel", "jupyter_client", "zmq", "torch", "numpy", "shardlib", "gc",
+                    "warnings", "collections", "signal", "threading", "pickle", "multiprocessing")
 
 
 def type_name(cls):
@@ -156,7 +157,16 @@ def safe(value, depth=0):
 
 
 def digest(code):
-    """A Python function's code, nested functions included."""
+    """A Python function's code, nested functions included: marshal's bytes of it (version 2, which writes no
+    back-references, so the same code always gives the same bytes), else (a constant marshal cannot write,
+    put there with code.replace) read by hand."""
+    try:
+        return hashlib.sha256(marshal.dumps(code, 2)).hexdigest()[:16]
+    except ValueError:
+        return digest_by_hand(code)
+
+
+def digest_by_hand(code):
     h, stack = hashlib.sha256(), [code]
     while stack:
         c = stack.pop()
@@ -184,6 +194,7 @@ class Fingerprints:
         self.tensor_types = (torch.Tensor, torch.nn.Parameter) if torch is not None else ()
         self.groups, self.seen, self.queue, self.walked = collections.defaultdict(dict), set(), collections.deque(), 0
         self.data_budget, self.shadows, self.bases = DATA_BYTES, {}, {}
+        self.lines = {}  # by id: what a binding to that object records (bind), with the object kept
 
     def fp(self, obj):
         key = id(obj)
@@ -246,13 +257,21 @@ class Fingerprints:
 
     def bind(self, group, key, value):
         """A binding the walk found (a module's global, a class's attribute, a closure's cell), by digest."""
+        known = self.lines.get(id(value))
+        if known is None:
+            known = self.lines[id(value)] = (self.line(value), value)  # value kept: its id stays its own
+            if known[0] is not None:
+                self.reach(value, group)
+        if known[0] is not None:
+            self.groups[group][key] = known[0]
+
+    def line(self, value):
+        """What a binding to `value` records, or None for data the walk leaves alone."""
         if type(value) in PLAIN_DATA or isinstance(value, (BaseException, types.TracebackType, types.FrameType)) or (
                 isinstance(value, type) and issubclass(value, BaseException)):
-            return  # a library's own data (caches, registries, flags, sys.last_type) changes as it runs
+            return None  # a library's own data (caches, registries, flags, sys.last_type) changes as it runs
         wrapped = self.wrapped(value)
-        self.groups[group][key] = (f"{self.entry(value)}|{self.origin(value)}|"
-                                   f"{self.entry(wrapped) if wrapped is not None else ''}")
-        self.reach(value, group)
+        return f"{self.entry(value)}|{self.origin(value)}|{self.entry(wrapped) if wrapped is not None else ''}"
 
     def entry(self, value):
         """A short digest (str hashes are stable within one kernel process: all compared entries come from it)."""
@@ -455,7 +474,7 @@ def fingerprint_hooks(f, shell):
                 f.bind(f"builtin class {type_name(cls)}", name, inspect.getattr_static(cls, name))
             except AttributeError:
                 pass
-    for tool in (json.dumps, json.JSONEncoder, hashlib.sha256, inspect.getattr_static, sys.audit, dir, getattr,
+    for tool in (json.dumps, json.JSONEncoder, hashlib.sha256, marshal.dumps, inspect.getattr_static, sys.audit, dir, getattr,
                  callable, isinstance, vars, id, type, repr):
         f.bind("probe tools", getattr(tool, "__qualname__", "?"), tool)
 

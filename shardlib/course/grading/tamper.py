@@ -4,8 +4,9 @@ A learner's cell runs in the same interpreter as the checks, so it can change wh
 silence errors (`get_ipython().showtraceback = ...`), rewrite cells before they run (input or AST
 transformers, event callbacks), replace a function a check calls (`torch.allclose`, `shardlib.launch`,
 a helper from a locked cell, a builtin such as `all`), or the kernel's own machinery (how it runs a
-cell and sends its reply). After every cell the grader runs its own code in the kernel (STATE_CODE,
-sent fresh each time, never a cell of the notebook) that fingerprints all of this: identity, and for
+cell and sends its reply). After every cell the grader runs its own code in the kernel (REQUEST,
+sent fresh each time, never a cell of the notebook; once after consecutive released cells that do not
+call the learner's code, see Verifier.can_wait) that fingerprints all of this: identity, and for
 Python functions their code, globals and defaults. The grader compares the fingerprints outside the
 kernel, with
 
@@ -218,10 +219,18 @@ class Verifier:
             if key.startswith("name ") and value.startswith("builtin"):
                 self.expected[key] = value  # builtins the released cells use: never shadowed
 
-    def after(self, state: dict, index: int, role: str) -> list[str]:
-        """What changed that may not have, after cell `index` (its role); the expectations moved on."""
+    def can_wait(self, index: int, role: str, next_index: int, next_role: str) -> bool:
+        """Whether the verification after cell `index` may be the one after the next cell: both are released
+        cells that do not call the learner's code (neither runs the notebook's code), so what changes across
+        the two is the released cells' doing, and their data is still as they left it."""
+        return all(r == "locked" and i not in self.calls_learner for i, r in ((index, role), (next_index, next_role)))
+
+    def after(self, state: dict, index: int, role: str, covering=()) -> list[str]:
+        """What changed that may not have, after cell `index` (its role) and the released cells whose
+        verification waited for it (`covering`, see can_wait); the expectations moved on."""
         changed = []
-        own, uses = self.bound_by.get(index, set()), self.uses.get(index, set())
+        own = set().union(*(self.bound_by.get(i, set()) for i in (*covering, index)))
+        uses = set().union(*(self.uses.get(i, set()) for i in (*covering, index)))
         if index in self.calls_learner:
             role = "check"  # a released cell that calls the learner's code may change no machinery either
         new_modules = set(state.get("library modules", [])) - self.modules  # imported by this cell (or under it)
@@ -336,8 +345,9 @@ def take_baseline(kernel, verifier: Verifier, timeout: float) -> None:
     verifier.start(state)
 
 
-def verify(kernel, verifier: Verifier, index: int, role: str, timeout: float) -> list[str] | None:
-    """What changed after cell `index` (kernel.Kernel's anomalies included); None when the kernel died."""
+def verify(kernel, verifier: Verifier, index: int, role: str, timeout: float, covering=()) -> list[str] | None:
+    """What changed after cell `index` and the cells `covering` before it whose verification waited for it
+    (kernel.Kernel's anomalies included); None when the kernel died."""
     code, expressions, nonce = verifier.request()
     run = kernel.run(code, timeout, silent=True, user_expressions=expressions)
     state = verifier.parse(run, nonce)
@@ -347,4 +357,4 @@ def verify(kernel, verifier: Verifier, index: int, role: str, timeout: float) ->
     if state is None:
         return found + [f"the grader's verification did not run after it ({run.status}"
                         + (f": {run.ename}" if run.ename else "") + ")"]
-    return found + verifier.after(state, index, role)
+    return found + verifier.after(state, index, role, covering)
