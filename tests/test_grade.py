@@ -116,6 +116,30 @@ def test_a_notebook_is_scored_from_the_kernels_replies(tmp_path: Path):
     assert len(json.dumps(found)) < 20_000, "a check printing 50 MB must not make a 50 MB report"
 
 
+@pytest.mark.slow  # starts kernels
+def test_released_cells_verified_once_together_keep_their_names_and_data_watched(tmp_path: Path):
+    """Two released cells in a row are verified once, after the second (tamper.Verifier.can_wait): the
+    second may change the data the first bound, and the learner's changes after them to the first's
+    names and data are still seen."""
+    from grade_helpers import double_solution
+    from shardlib.course.grading.tamper import Verifier
+
+    checks = ["assert double(3) == helper(3), 'double(3) is wrong'", "assert all([double(2) == EXPECTED[2]])"]
+    solution = double_solution(checks, "EXPECTED = {2: 4}\n\n\ndef helper(x):\n    return x * 2")
+    solution.cells.insert(1, code("EXPECTED[3] = 6"))
+    lab = write_lab(tmp_path / "release", solution)
+    cells = [(i, role(c), c.source) for i, c in enumerate(read_notebook(lab).cells) if c.cell_type == "code"]
+    verifier = Verifier(cells)
+    assert [verifier.can_wait(i, r, j, q) for (i, r, _), (j, q, _) in zip(cells, cells[1:])] == [True, False, False, False]
+    honest = run_grader(submit(lab, tmp_path / "alice"), "--release", lab)[1]
+    assert (honest["outcome"], honest["score"], honest["max_score"]) == ("completed", 2, 2), honest
+    wrong = "def double(x):\n    return x\n\n\ndef helper(x):\n    return x\n\n\nEXPECTED[2] = 2"
+    cheat = run_grader(submit(lab, tmp_path / "bob", answer=wrong), "--release", lab)[1]
+    assert cheat["outcome"] == "tampered" and cheat["score"] == 0, cheat
+    for name in ("helper", "EXPECTED"):
+        assert any(name in line for line in cheat["tampering"]), (name, cheat["tampering"])
+
+
 # ---------------------------------------------------------------------------------
 # real labs: one planted mistake costs exactly its checks
 
