@@ -116,6 +116,28 @@ def test_a_notebook_is_scored_from_the_kernels_replies(tmp_path: Path):
     assert len(json.dumps(found)) < 20_000, "a check printing 50 MB must not make a 50 MB report"
 
 
+def test_only_the_release_itself_runs_without_a_verification_after_each_cell(tmp_path: Path):
+    """Untouched answers and nothing added: no code of the learner's runs, so every cell may wait for one
+    verification after the last. One changed answer, one added cell, or no release: not so."""
+    from shardlib.course.grading.tamper import Verifier
+
+    lab = read_notebook(write_lab(tmp_path))
+    stubs = [c.source for c in lab.cells if c.cell_type == "code" and is_answer(c)]
+
+    def verifier(notebook, release_stubs):
+        return Verifier([(i, role(c), c.source) for i, c in enumerate(notebook.cells) if c.cell_type == "code"
+                         and c.source.strip()], release_stubs)
+
+    assert verifier(lab, stubs).untouched and verifier(lab, stubs).can_wait(1, "answer", 2, "check")
+    answered = against_release(read_notebook(submit(lab_path := tmp_path / "99_double.ipynb", tmp_path / "a")),
+                               read_notebook(lab_path))
+    added = against_release(read_notebook(submit(lab_path, tmp_path / "b", answer=stubs[0], added=["x = 1"])),
+                            read_notebook(lab_path))
+    for notebook, release_stubs in ((answered, stubs), (added, stubs), (lab, None)):
+        found = verifier(notebook, release_stubs)
+        assert not found.untouched and not found.can_wait(1, "answer", 2, "check")
+
+
 @pytest.mark.slow  # starts kernels
 def test_released_cells_verified_once_together_keep_their_names_and_data_watched(tmp_path: Path):
     """Two released cells in a row are verified once, after the second (tamper.Verifier.can_wait): the

@@ -108,6 +108,7 @@ def _run(kernel: Kernel, verifier: Verifier, cells, checks: dict, report: Report
         left = deadline - time.monotonic()
         if left <= 0:
             report.outcome, report.detail = "timed out", f"the notebook ran past the grader's limit of {timeout:g} s"
+            _unverified(checks, waiting, "timed out", "the grader's limit came before it could verify the check")
             return f"not run ({report.detail})"
         limit = min(cell_timeout, left)
         run = kernel.run(source, limit)
@@ -120,22 +121,25 @@ def _run(kernel: Kernel, verifier: Verifier, cells, checks: dict, report: Report
             report.detail = f"the kernel died in cell {index}: {reason}"
             if index in checks:
                 checks[index].status, checks[index].message = report.outcome, reason
+            _unverified(checks, waiting, "kernel died", f"the kernel died in cell {index}, before the grader could "
+                                                        f"verify the check: {reason}")
             return f"not run (the kernel died in cell {index})"
         if run.status == "unresponsive":
             report.outcome = "unresponsive"
             report.detail = (f"cell {index} ran past the limit and ignored the interrupt for "
                              f"{run.seconds - limit:.0f} s: the kernel was killed")
+            _unverified(checks, waiting, "kernel died", f"the kernel was killed in cell {index}, before the grader "
+                                                        "could verify the check")
             return f"not run (kernel unresponsive after cell {index})"
         following = cells[position + 1] if position + 1 < len(cells) else None
         if following is not None and verifier.can_wait(index, cell_role, following[0], following[1]):
             waiting.append(index)
             continue
         found = verify(kernel, verifier, index, cell_role, VERIFY_TIMEOUT_S, covering=waiting)
-        waiting = []
+        covered, waiting = [*waiting, index], []
         if found is None:  # a check passes only once the verification after it has run: its reply may be forged
             reason = f"the kernel died right after it, before the grader could verify it: {kernel.died_why()}"
-            if index in checks and checks[index].status == "passed":
-                checks[index].status, checks[index].message = "kernel died", reason
+            _unverified(checks, covered, "kernel died", reason)
             report.outcome, report.detail = "kernel died", f"the kernel died after cell {index}: {kernel.died_why()}"
             return f"not run (the kernel died after cell {index})"
         if found:
@@ -144,6 +148,13 @@ def _run(kernel: Kernel, verifier: Verifier, cells, checks: dict, report: Report
             report.tampering = [cap(f"cell {index} ({cell_role}): {what}", 300) for what in found[:20]]
             return "not run (tampered)"
     return "not run"
+
+
+def _unverified(checks: dict, indices, status: str, reason: str) -> None:
+    """The checks among `indices` that passed before any verification after them ran: not passed."""
+    for index in indices:
+        if index in checks and checks[index].status == "passed":
+            checks[index].status, checks[index].message = status, reason
 
 
 def _record(index: int, cell_role: str, run: Run, limit: float, checks: dict, report: Report) -> None:

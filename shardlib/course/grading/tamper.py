@@ -153,6 +153,9 @@ class Verifier:
     def __init__(self, cells: list[tuple[int, str, str]], released_answers: list[str] | None = None):
         released = [(i, role, python_source(src)) for i, role, src in cells if role in ("locked", "check")]
         self.released_sources = [src for _, role, src in cells if role in ("locked", "check")]
+        # the release itself, answers untouched and nothing added: no code of the learner's runs at all
+        self.untouched = released_answers is not None and not any(role == "learner" for _, role, _ in cells) and (
+            [src for _, role, src in cells if role == "answer"] == [src for src in released_answers if src.strip()])
         if released_answers is None:
             released_answers = [src for _, role, src in cells if role == "answer"]
         answers = [python_source(src) for src in released_answers]
@@ -219,11 +222,15 @@ class Verifier:
             if key.startswith("name ") and value.startswith("builtin"):
                 self.expected[key] = value  # builtins the released cells use: never shadowed
 
+    def runs_released_code_only(self, index: int, role: str) -> bool:
+        """A released cell that does not call the learner's code; in an untouched release, every cell."""
+        return self.untouched or (role == "locked" and index not in self.calls_learner)
+
     def can_wait(self, index: int, role: str, next_index: int, next_role: str) -> bool:
-        """Whether the verification after cell `index` may be the one after the next cell: both are released
-        cells that do not call the learner's code (neither runs the notebook's code), so what changes across
-        the two is the released cells' doing, and their data is still as they left it."""
-        return all(r == "locked" and i not in self.calls_learner for i, r in ((index, role), (next_index, next_role)))
+        """Whether the verification after cell `index` may be the one after the next cell: neither runs code
+        of the learner's, so what changes across the two is the released cells' doing, and their data is
+        still as they left it. (An untouched release is verified once, after its last cell.)"""
+        return self.runs_released_code_only(index, role) and self.runs_released_code_only(next_index, next_role)
 
     def after(self, state: dict, index: int, role: str, covering=()) -> list[str]:
         """What changed that may not have, after cell `index` (its role) and the released cells whose
@@ -231,7 +238,9 @@ class Verifier:
         changed = []
         own = set().union(*(self.bound_by.get(i, set()) for i in (*covering, index)))
         uses = set().union(*(self.uses.get(i, set()) for i in (*covering, index)))
-        if index in self.calls_learner:
+        if self.untouched:
+            role = "locked"  # only the release's code ran: it may change the machinery (the baseline moves on)
+        elif index in self.calls_learner:
             role = "check"  # a released cell that calls the learner's code may change no machinery either
         new_modules = set(state.get("library modules", [])) - self.modules  # imported by this cell (or under it)
         self.modules |= new_modules
