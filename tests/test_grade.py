@@ -13,10 +13,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from grade_helpers import REPO_ROOT, code, run_grader, submit, write_lab
+from grade_helpers import REPO_ROOT, code, double_solution, run_grader, submit, write_lab
 from shardlib.course import labgen
 from shardlib.course.grading import cli, report, review, sandbox
-from shardlib.course.grading.notebook import against_release, grade_id, is_answer, read_notebook, role
+from shardlib.course.grading.notebook import against_release, code_cells, grade_id, is_answer, read_notebook, role
+from shardlib.course.grading.tamper import Verifier
 
 RANK_ERROR = ("rank 1 failed; its traceback follows.\n\nTraceback (most recent call last):\n"
               "  File \"launch.py\", line 224, in _rank_main\n    result = fn(*args)\n"
@@ -119,22 +120,15 @@ def test_a_notebook_is_scored_from_the_kernels_replies(tmp_path: Path):
 def test_only_the_release_itself_runs_without_a_verification_after_each_cell(tmp_path: Path):
     """Untouched answers and nothing added: no code of the learner's runs, so every cell may wait for one
     verification after the last. One changed answer, one added cell, or no release: not so."""
-    from shardlib.course.grading.tamper import Verifier
-
-    lab = read_notebook(write_lab(tmp_path))
+    lab_path = write_lab(tmp_path)
+    lab = read_notebook(lab_path)
     stubs = [c.source for c in lab.cells if c.cell_type == "code" and is_answer(c)]
-
-    def verifier(notebook, release_stubs):
-        return Verifier([(i, role(c), c.source) for i, c in enumerate(notebook.cells) if c.cell_type == "code"
-                         and c.source.strip()], release_stubs)
-
-    assert verifier(lab, stubs).untouched and verifier(lab, stubs).can_wait(1, "answer", 2, "check")
-    answered = against_release(read_notebook(submit(lab_path := tmp_path / "99_double.ipynb", tmp_path / "a")),
-                               read_notebook(lab_path))
-    added = against_release(read_notebook(submit(lab_path, tmp_path / "b", answer=stubs[0], added=["x = 1"])),
-                            read_notebook(lab_path))
+    release = Verifier(code_cells(lab), stubs)
+    assert release.untouched and release.can_wait(1, "answer", 2, "check")
+    answered = against_release(read_notebook(submit(lab_path, tmp_path / "a")), lab)
+    added = against_release(read_notebook(submit(lab_path, tmp_path / "b", answer=stubs[0], added=["x = 1"])), lab)
     for notebook, release_stubs in ((answered, stubs), (added, stubs), (lab, None)):
-        found = verifier(notebook, release_stubs)
+        found = Verifier(code_cells(notebook), release_stubs)
         assert not found.untouched and not found.can_wait(1, "answer", 2, "check")
 
 
@@ -143,16 +137,14 @@ def test_released_cells_verified_once_together_keep_their_names_and_data_watched
     """Two released cells in a row are verified once, after the second (tamper.Verifier.can_wait): the
     second may change the data the first bound, and the learner's changes after them to the first's
     names and data are still seen."""
-    from grade_helpers import double_solution
-    from shardlib.course.grading.tamper import Verifier
-
     checks = ["assert double(3) == helper(3), 'double(3) is wrong'", "assert all([double(2) == EXPECTED[2]])"]
     solution = double_solution(checks, "EXPECTED = {2: 4}\n\n\ndef helper(x):\n    return x * 2")
     solution.cells.insert(1, code("EXPECTED[3] = 6"))
     lab = write_lab(tmp_path / "release", solution)
-    cells = [(i, role(c), c.source) for i, c in enumerate(read_notebook(lab).cells) if c.cell_type == "code"]
+    cells = code_cells(read_notebook(lab))
     verifier = Verifier(cells)
-    assert [verifier.can_wait(i, r, j, q) for (i, r, _), (j, q, _) in zip(cells, cells[1:])] == [True, False, False, False]
+    assert [verifier.can_wait(i, r, *following[:2]) for (i, r, _), following in zip(cells, cells[1:])] == [
+        True, False, False, False]
     honest = run_grader(submit(lab, tmp_path / "alice"), "--release", lab)[1]
     assert (honest["outcome"], honest["score"], honest["max_score"]) == ("completed", 2, 2), honest
     wrong = "def double(x):\n    return x\n\n\ndef helper(x):\n    return x\n\n\nEXPECTED[2] = 2"

@@ -21,7 +21,7 @@ import pytest
 
 from grade_helpers import REPO_ROOT, leftovers, light_lab, run_grader, statuses, submit, write_lab
 from shardlib.course.grading.kernel import Kernel
-from shardlib.course.grading.notebook import read_notebook, role
+from shardlib.course.grading.notebook import code_cells, read_notebook
 from shardlib.course.grading.sandbox import bubblewrap, make_sandbox
 from shardlib.course.grading.tamper import Verifier, take_baseline, verify
 
@@ -102,7 +102,7 @@ REFUSED = {
 def test_each_way_of_tampering_is_seen_and_a_clean_kernel_is_not_flagged(tmp_path: Path):
     """One kernel: the lab's cells, then each tampering cell and its undoing, with the verification after each."""
     lab = read_notebook(write_lab(tmp_path))
-    cells = [(i, role(c), c.source) for i, c in enumerate(lab.cells) if c.cell_type == "code"]
+    cells = code_cells(lab)
     verifier = Verifier(cells)
     with tempfile.TemporaryDirectory() as scratch, Kernel(make_sandbox(Path(scratch))) as kernel:
         def run(source: str, index: int, cell_role: str) -> list[str]:

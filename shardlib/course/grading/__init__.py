@@ -15,7 +15,7 @@ import sys
 # nbformat validates with jsonschema, which imports rfc3987_syntax where it is installed (Jupyter's event
 # schemas want it) for its IRI format checks; notebooks' schema has none, and that module builds its grammar
 # when imported: 1.5 to 4.5 s of every grading's start, measured. A grader that imported it already keeps it.
-sys.modules.setdefault("rfc3987_syntax", None)  # noqa: E402 - before nbformat is imported below
+sys.modules.setdefault("rfc3987_syntax", None)  # before nbformat is imported below
 
 from shardlib.course.grading.grade import DEFAULT_CELL_TIMEOUT_S, DEFAULT_TIMEOUT_S, grade  # noqa: E402
 from shardlib.course.grading.notebook import GradeInputError, read_notebook  # noqa: E402

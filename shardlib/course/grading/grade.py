@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from shardlib.course.grading.kernel import Kernel, Run
-from shardlib.course.grading.notebook import (against_release, fresh, grade_id, is_answer, is_check, points,
-                                              read_notebook, role)
+from shardlib.course.grading.notebook import (against_release, code_cells, fresh, grade_id, is_answer, is_check,
+                                              points, read_notebook)
 from shardlib.course.grading.report import CheckResult, Report, cap, error_message
 from shardlib.course.grading.review import review
 from shardlib.course.grading.sandbox import DEFAULT_MEMORY_GIB, DEFAULT_PROCESSES, make_sandbox
@@ -65,8 +65,7 @@ def grade(path: str | Path, release=None, timeout: float = DEFAULT_TIMEOUT_S,
     graded = against_release(submission, release) if release is not None else fresh(submission)
     stubs = None if release is None else [c.source for c in release.cells if c.cell_type == "code" and is_answer(c)]
     report = Report(notebook=str(path), release=release_name)
-    cells = [(i, role(cell), cell.source) for i, cell in enumerate(graded.cells)
-             if cell.cell_type == "code" and cell.source.strip()]
+    cells = code_cells(graded)
     report.review = [cap(found, 300) for found in review(
         [(i, r, source, grade_id(graded.cells[i], i)) for i, r, source in cells], stubs or ())][:200]
     checks = {i: CheckResult(grade_id(cell, i), i, points(cell), "not run", "")
@@ -132,7 +131,7 @@ def _run(kernel: Kernel, verifier: Verifier, cells, checks: dict, report: Report
                                                         "could verify the check")
             return f"not run (kernel unresponsive after cell {index})"
         following = cells[position + 1] if position + 1 < len(cells) else None
-        if following is not None and verifier.can_wait(index, cell_role, following[0], following[1]):
+        if following is not None and verifier.can_wait(index, cell_role, *following[:2]):
             waiting.append(index)
             continue
         found = verify(kernel, verifier, index, cell_role, VERIFY_TIMEOUT_S, covering=waiting)

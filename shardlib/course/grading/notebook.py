@@ -93,6 +93,12 @@ def role(cell) -> str:
     return "check" if is_check(cell) else "answer" if is_answer(cell) else "locked" if is_locked(cell) else "learner"
 
 
+def code_cells(notebook) -> list[tuple[int, str, str]]:
+    """(index, role, source) of each code cell with something in it: what the grader runs, in order."""
+    return [(i, role(cell), cell.source) for i, cell in enumerate(notebook.cells)
+            if cell.cell_type == "code" and cell.source.strip()]
+
+
 def grade_id(cell, index: int | None = None) -> str | None:
     found = nbgrader(cell).get("grade_id")
     if isinstance(found, str) and found:

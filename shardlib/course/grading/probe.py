@@ -167,6 +167,7 @@ def digest(code):
 
 
 def digest_by_hand(code):
+    """The same, read attribute by attribute (constants through safe(): no repr of the notebook's runs)."""
     h, stack = hashlib.sha256(), [code]
     while stack:
         c = stack.pop()
@@ -474,8 +475,8 @@ def fingerprint_hooks(f, shell):
                 f.bind(f"builtin class {type_name(cls)}", name, inspect.getattr_static(cls, name))
             except AttributeError:
                 pass
-    for tool in (json.dumps, json.JSONEncoder, hashlib.sha256, marshal.dumps, inspect.getattr_static, sys.audit, dir, getattr,
-                 callable, isinstance, vars, id, type, repr):
+    for tool in (json.dumps, json.JSONEncoder, hashlib.sha256, marshal.dumps, inspect.getattr_static, sys.audit, dir,
+                 getattr, callable, isinstance, vars, id, type, repr):
         f.bind("probe tools", getattr(tool, "__qualname__", "?"), tool)
 
 
