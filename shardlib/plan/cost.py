@@ -50,7 +50,9 @@ micro-batch (forward + backward + exposed TP, CP, EP) on the slowest stage:
   PP            2 (m v + p - 2) point-to-point messages on the critical path. Each tensor-parallel rank sends
                 1/t of the b s h / c activation and the receivers all-gather it over NVLink, one all-gather of
                 the tp group per message received (the scatter/gather optimisation, arXiv 2104.04473, Sec. 4.1;
-                shardlib/parallel/pipeline.py); with sequence parallelism it is already split.
+                shardlib/parallel/pipeline.py); with sequence parallelism it is already split. Without the
+                optimisation (scatter_gather=False: Megatron-LM before February 2021) every tensor-parallel rank
+                sends the whole b s h / c activation, over its own link, and nothing is gathered.
                 Tied embeddings: their gradients all-reduced between the first and the last stage once a step.
   DP            over the d c GPUs with the same parameters, Psi_k: ZeRO 0 an all-reduce of the gradients
                 behind the last micro-batch's backward; 1 a reduce-scatter there and an all-gather behind the
@@ -58,6 +60,9 @@ micro-batch (forward + backward + exposed TP, CP, EP) on the slowest stage:
                 reduce-scatter, layer by layer, behind each pass. With overlap (default) by the overlap rule,
                 the links shared with overlapped TP and CP traffic; without, all of it on the critical path.
                 ZeRO-2 and -3 inside a pipeline are refused (planner.check_layout): DeepSpeed's reason.
+                overlap_with_pipeline=False: with pp > 1 none of it overlaps (Megatron-LM in 2021 ran pipelines
+                only with its "local" DDP, which reduces after the backward: megatron/training.py, "We only
+                support local DDP with multiple micro-batches").
   optimizer     the step reads and writes the optimizer states, reads the gradients and writes the 16-bit
                 parameters of this GPU's shard, at HBM bandwidth.
   offload       per step the 16-bit gradients to the CPU and the parameters back over PCIe (ZeRO-Offload,
@@ -196,7 +201,7 @@ class Costs(_Columns):
 class Options:
     """What the model assumes beyond the layout: bytes per parameter (recipe), the fractions of the matmul
     ceiling, of the links' and of HBM's bandwidth reached, whether DP traffic overlaps compute, the
-    attention kernel."""
+    attention kernel, whether pipeline messages are scattered over the tensor-parallel ranks and gathered."""
 
     recipe: object = "mixed_adam"
     efficiency: float | None = None  # None: the cluster's matmul_fraction
@@ -204,6 +209,8 @@ class Options:
     attention: str = "flash"
     link: tuple = (FITTED["nvlink"], FITTED["network"])
     hbm: float = FITTED["hbm"]
+    scatter_gather: bool = True  # arXiv 2104.04473, Sec. 4.1
+    overlap_with_pipeline: bool = True  # False: DP overlap only without a pipeline (Megatron-LM, 2021)
 
 
 def layers_of_stage(n_layer: int, p, k):
@@ -319,7 +326,8 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, opt
     forward_s, backward_s = gemm_fwd + elem_fwd, gemm_bwd + elem_bwd + redo
 
     comm = stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, options.overlap, options.link,
-                               psi_dense, psi_expert, forward_s, backward_s)
+                               options.scatter_gather, options.overlap_with_pipeline, psi_dense, psi_expert,
+                               forward_s, backward_s)
     micro = forward_s + backward_s + comm.tp + comm.cp + comm.ep  # one micro-batch on this stage
     bubble = (p - 1) / v * micro
     optimizer_s = sharded * (2 * recipe.optimizer + recipe.grads + e) / (cluster.hbm_bw_gbps * 1e9 * hbm)

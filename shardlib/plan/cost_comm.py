@@ -52,9 +52,12 @@ class StageComm:
 
 
 def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, overlap: bool, link: tuple,
-                        psi_dense, psi_expert, forward_s, backward_s) -> StageComm:
+                        scatter_gather: bool, overlap_with_pipeline: bool, psi_dense, psi_expert, forward_s,
+                        backward_s) -> StageComm:
     """Collectives and exposed seconds of stage k's GPUs; `one`: compute.layer_seconds of one layer; link: the
-    fractions of the links' bandwidth collectives reach (inside a node, across)."""
+    fractions of the links' bandwidth collectives reach (inside a node, across); scatter_gather: pipeline messages
+    split over the tensor-parallel ranks and gathered by the receivers (else each rank sends all of it);
+    overlap_with_pipeline: whether data-parallel traffic still overlaps compute when pp > 1."""
     d, t, p, cp, ep, v = c.dp, c.tp, c.pp, c.cp, c.ep, c.virtual
     e, eg = recipe.params, recipe.grads
     alpha = cluster.alpha_us * 1e-6
@@ -115,11 +118,13 @@ def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, o
     ep_s = ep_calls * ep_ring.time("all_to_all", routed)
 
     # -- pipeline: scatter/gather of the boundary activation ---------------------------------------
-    boundary = tokens * spec.hidden * e / t  # each tensor-parallel rank sends its 1/t
+    split = (c.sp > 0) | scatter_gather  # sequence parallelism holds the activation split already
+    boundary = tokens * spec.hidden * e / torch.where(split, t, 1.0)  # each tensor-parallel rank sends its 1/t
     sends = (p > 1) * m * (2 * v - first - last)  # as many received: activations forward, gradients backward
     out.append(Collective("pp", "send", boundary, sends))
-    out.append(Collective("tp", "all_gather", bsh, sends * (1 - c.sp) * (t > 1), tp_ring))  # each received 1/t
-    gather = torch.where(c.sp > 0, 0.0, tp_ring.time("all_gather", tokens * spec.hidden * e))
+    gathered = (1 - c.sp) * (t > 1) * float(scatter_gather)  # the receivers all-gather what was scattered
+    out.append(Collective("tp", "all_gather", bsh, sends * gathered, tp_ring))
+    gather = gathered * tp_ring.time("all_gather", tokens * spec.hidden * e)
     pp_link = link_bandwidth(cluster, t * cp * d * p, link)
     pp_s = (p > 1) * 2 * (m * v + p - 2) * (alpha + boundary / pp_link + gather)
     # tied embeddings on two stages: their gradients all-reduced between the first and the last once a step, after
@@ -134,13 +139,15 @@ def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, o
     busy = torch.where(in_node(cluster, t * cp * d), tp_busy + torch.where(in_node(cluster, t * cp), ring_busy, 0.0),
                        torch.where(in_node(cluster, t * cp), 0.0, ring_busy))
     windows = (torch.clamp(forward_s - busy, min=0.0), torch.clamp(backward_s - busy, min=0.0))
-    dense_s, dense = _data_parallel(c, m, layers, psi_dense * e, psi_dense * eg, dp_ring, windows, overlap)
-    expert_s, experts = _data_parallel(c, m, layers, psi_expert * e, psi_expert * eg, expert_ring, windows, overlap)
+    dp_overlap = torch.as_tensor(overlap) & ((p == 1) | overlap_with_pipeline)  # a column: per layout
+    dense_s, dense = _data_parallel(c, m, layers, psi_dense * e, psi_dense * eg, dp_ring, windows, dp_overlap)
+    expert_s, experts = _data_parallel(c, m, layers, psi_expert * e, psi_expert * eg, expert_ring, windows,
+                                       dp_overlap)
     out += dense + experts
     return StageComm(tp_s, cp_s, ep_s, pp_s, dense_s + expert_s, out)
 
 
-def _data_parallel(c, m, layers, param_bytes, grad_bytes, ring: Ring, windows, overlap: bool):
+def _data_parallel(c, m, layers, param_bytes, grad_bytes, ring: Ring, windows, overlap):
     """Exposed seconds and collectives of one step's data-parallel traffic (ZeRO stage c.zero)."""
     z = c.zero
     forward, backward = windows
@@ -149,7 +156,7 @@ def _data_parallel(c, m, layers, param_bytes, grad_bytes, ring: Ring, windows, o
     reduce_scatter, all_gather = ring.time("reduce_scatter", grad_bytes), ring.time("all_gather", param_bytes)
     rs_units = units * ring.time("reduce_scatter", grad_bytes / units)  # with the alphas of layer by layer
     ag_units = units * ring.time("all_gather", param_bytes / units)
-    hide = lambda x, under: exposed(x, under, overlap)  # noqa: E731
+    hide = lambda x, under: torch.where(overlap, exposed(x, under), x)  # noqa: E731 - overlap: a column
     seconds = torch.where(z == 0, hide(all_reduce, backward),
               torch.where(z == 1, hide(reduce_scatter, backward) + hide(all_gather, forward),
               torch.where(z == 2, m * hide(reduce_scatter, backward) + hide(all_gather, forward),

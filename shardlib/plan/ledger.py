@@ -29,16 +29,17 @@ from shardlib.plan.rules import check_layout, check_options
 
 def per_gpu(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int, *, stage: int = 0,
             recipe="mixed_adam", efficiency: float | None = None, overlap: bool = True,
-            attention: str = "flash") -> dict:
-    """One GPU of pipeline stage `stage`: its memory by kind and its collectives one by one (module docstring)."""
-    check_options(cluster, efficiency, overlap, 0.0, attention)
+            attention: str = "flash", scatter_gather: bool = True) -> dict:
+    """One GPU of pipeline stage `stage`: its memory by kind and its collectives one by one (module docstring);
+    options as shardlib.plan.plan's."""
+    check_options(cluster, efficiency, overlap, 0.0, attention, scatter_gather)
     check_layout(spec, cluster, layout, global_batch)
     if not 0 <= stage < layout.pp:
         raise ValueError(f"stage must be in 0..{layout.pp - 1}, got {stage}")
     c = Layouts.from_rows([_row(layout)])
+    options = Options(recipe, efficiency, overlap, attention, scatter_gather=scatter_gather)
     with _one_thread():
-        costs, collectives = _stage(spec, cluster, c, global_batch, Options(recipe, efficiency, overlap, attention),
-                                    c.pp * 0 + stage, collectives=True)
+        costs, collectives = _stage(spec, cluster, c, global_batch, options, c.pp * 0 + stage, collectives=True)
     row = costs.row(0)
     listed = []
     for x in collectives:

@@ -102,14 +102,16 @@ def predict(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int
             efficiency: float | None = None, overlap: bool = True, attention: str = "flash",
             stage: int | None = None, reserve_gib: float = 0.0,
             link_efficiency: tuple = (FITTED["nvlink"], FITTED["network"]),
-            hbm_efficiency: float = FITTED["hbm"]) -> Estimate:
+            hbm_efficiency: float = FITTED["hbm"], scatter_gather: bool = True,
+            overlap_with_pipeline: bool = True) -> Estimate:
     """The costs of one layout: on its busiest GPU, or (stage=k) on a GPU of pipeline stage k.
     Options as plan's; recipe: a name of memory.TRAINING_RECIPES or a memory.Recipe."""
-    check_options(cluster, efficiency, overlap, reserve_gib, attention)
+    check_options(cluster, efficiency, overlap, reserve_gib, attention, scatter_gather, overlap_with_pipeline)
     check_layout(spec, cluster, layout, global_batch)
     if stage is not None and not 0 <= stage < layout.pp:
         raise ValueError(f"stage must be in 0..{layout.pp - 1}, got {stage}")
-    options = Options(recipe, efficiency, overlap, attention, link_efficiency, hbm_efficiency)
+    options = Options(recipe, efficiency, overlap, attention, link_efficiency, hbm_efficiency, scatter_gather,
+                      overlap_with_pipeline)
     out = costs(spec, cluster, Layouts.from_rows([_row(layout)]), global_batch, options, stage)
     return _Estimates(out, [_row(layout)], cluster, reserve_gib)[0]
 
@@ -246,7 +248,8 @@ class Plan:
 def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_adam",
          efficiency: float | None = None, overlap: bool = True, attention: str = "flash",
          reserve_gib: float = 0.0, link_efficiency: tuple = (FITTED["nvlink"], FITTED["network"]),
-         hbm_efficiency: float = FITTED["hbm"], **choices) -> Plan:
+         hbm_efficiency: float = FITTED["hbm"], scatter_gather: bool = True, overlap_with_pipeline: bool = True,
+         **choices) -> Plan:
     """Enumerate the layouts, predict each, rank those that fit by step time (then memory).
 
     recipe: bytes per parameter of the model states (memory.TRAINING_RECIPES); efficiency: the
@@ -256,17 +259,21 @@ def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_
     attention: "flash" (FlashAttention, default) or "unfused" (the scores written out, as Megatron-LM in
     2021-22); reserve_gib: memory per GPU kept free; link_efficiency (inside a node, across),
     hbm_efficiency: the fractions of the links' and of HBM's bandwidth reached (fitted,
-    shardlib/plan/fitted.py). `choices` narrow the enumeration (candidate_layouts). Raises NoLayoutFits,
+    shardlib/plan/fitted.py); scatter_gather: pipeline messages split over the tensor-parallel ranks and
+    all-gathered by the receivers (arXiv 2104.04473, Sec. 4.1; False: each rank sends the whole activation, as
+    Megatron-LM did before February 2021); overlap_with_pipeline: False where the framework overlaps
+    data-parallel traffic only without a pipeline (Megatron-LM in 2021). `choices` narrow the enumeration (candidate_layouts). Raises NoLayoutFits,
     naming the smallest memory any layout needs, when none fits.
     """
-    check_options(cluster, efficiency, overlap, reserve_gib, attention)
+    check_options(cluster, efficiency, overlap, reserve_gib, attention, scatter_gather, overlap_with_pipeline)
     rows = _candidate_rows(spec, cluster, global_batch, attention=attention, **choices)
     if not rows:
         raise ValueError(f"no layout of {cluster.n_gpus} GPUs can run {spec.name} with a global batch of "
                          f"{global_batch} and these choices: tp must divide {spec.n_head} heads, pp be at most the "
                          f"{spec.n_layer} layers, dp divide the batch. Change the number of GPUs, the global batch "
                          "or the filters.")
-    options = Options(recipe, efficiency, overlap, attention, link_efficiency, hbm_efficiency)
+    options = Options(recipe, efficiency, overlap, attention, link_efficiency, hbm_efficiency, scatter_gather,
+                      overlap_with_pipeline)
     out = costs(spec, cluster, Layouts.from_rows(rows), global_batch, options)
     usable = (cluster.gpu_mem_gib - reserve_gib) * GiB
     total, step = out.memory.total, out.time.total

@@ -11,7 +11,9 @@ training_runs()
   ten GPT models, 1.7B to 1T, on 32 to 3,072 A100 80GB of Selene (DGX A100: NVLink, 8 x 200 Gb/s HDR
   InfiniBand per node), s = 2,048, V = 51,200, fp16, full recomputation. Micro-batch, virtual stages and
   data-parallel implementation (PyTorch's DDP, overlapped, or Megatron's "local" one, after the backward)
-  from the paper's own script, examples/sc21/run_table_1.sh. Published: TFLOP/s per GPU X, counting
+  from the paper's own script, examples/sc21/run_table_1.sh. The Megatron-LM of that time ran pipelines only with
+  the local one ("We only support local DDP with multiple micro-batches", megatron/training.py, April 2021): in
+  the ranking, a layout with pp > 1 reduces its gradients after the backward (overlap_with_pipeline=False). Published: TFLOP/s per GPU X, counting
   F = 96 B s L h^2 (1 + s/(6h) + V/(16 L h)) FLOPs per step (eq. 3, recomputation included): step = F / (N X).
 - Megatron-Core, H100 weak scaling (NVIDIA/Megatron-LM README, "Training Speed and Scalability", the table
   images/model_table.png, r0.8.0): nine GPT models, 1.7B to 462B, on 48 to 6,144 H100, V = 131,072,
@@ -23,7 +25,8 @@ training_runs()
 held_out_runs()
 - GPT-3 175B on 1,024 A100 (Megatron-LM README, January 2021, and examples/pretrain_gpt3_175B.sh): t 8, p 16,
   micro-batch 1, batch 1,536, fp16, full recomputation; "each iteration takes around 32 seconds resulting in
-  138 teraFLOPs per GPU"; step from the TFLOP/s by eq. 3.
+  138 teraFLOPs per GPU"; step from the TFLOP/s by eq. 3. The software of that date had neither the interleaved
+  schedule nor the scatter/gather of pipeline messages (SOFTWARE["megatron-2021-01"]).
 - BLOOM-176B, arXiv 2211.05100 (Sec. 3.4: 48 nodes of 8 A100 80GB, 4 x 100 Gb/s Omni-Path per node), t 4,
   p 12, d 8, micro-batch 2, batch 2,048, full recomputation, bf16 with fp32 gradient accumulation and a ZeRO-1
   optimizer (bigscience train/tr11-176B-ml/tr11-176B-ml.slurm); 105.22 s per iteration (chronicles.md).
@@ -42,6 +45,9 @@ held_out_runs()
 - Memory only (FP8 runs: step times are not compared; the layouts must fit): NeMo 24.07's pre-training
   table on DGX-H100 (NVIDIA/NeMo docs/source/performance/performance_summary.md): every dense row, among them
   Nemotron-340B on 128 GPUs (t 8, p 8, v 12, batch 32). Recomputation is not published: free.
+
+bloom_layout_search(): five layouts of BLOOM timed side by side on its cluster before training (its chronicle):
+a check of the ranking itself, used for nothing else (validate.side_by_side).
 
 Not used: MT-NLG 530B, OPT-175B (their iteration times and micro-batches are not in a source this project's
 search reaches), PaLM (TPU v4, which the planner does not model).
@@ -69,6 +75,8 @@ class PublishedRun:
     step_s: float | None  # the step time it means (None: memory only)
     source: str
     overlap: bool = True
+    scatter_gather: bool = True  # pipeline messages split over the tensor-parallel ranks (arXiv 2104.04473, 4.1)
+    overlap_with_pipeline: bool = True  # data-parallel overlap also when pp > 1 (False: Megatron-LM, 2021)
     attention: str = "flash"
     free: dict = field(default_factory=dict)  # unpublished knobs: the values the planner may choose among
     assumed: str = ""  # what the source does not say and we chose
@@ -130,10 +138,17 @@ SOFTWARE = {
     # context parallelism, no TP overlap; Table 1 recomputes every layer in every run (run_table_1.sh)
     "megatron-2021": dict(zero_stages=(0,), sequence_parallel=(False,), tp_overlap=(False,), max_cp=1,
                           recompute=("full",)),
+    # the same in January 2021, before the interleaved schedule and the scatter/gather of pipeline messages: both
+    # reached the repository's main branch on 2021-02-16/17 (commits 72e4230 "Turn scatter-gather optimization on
+    # by default" and 76e3fca "Merge branch 'better_schedule'"), after the GPT-3 175B note of 2021-01-11 (152aab3)
+    "megatron-2021-01": dict(zero_stages=(0,), sequence_parallel=(False,), tp_overlap=(False,), max_cp=1,
+                             recompute=("full",), virtual_stages=(1,)),
     # Megatron-DeepSpeed for BLOOM (2022): its BF16 optimizer is ZeRO-1; no sequence parallelism or selective
-    # recomputation (Megatron-LM added them later that year)
+    # recomputation (Megatron-LM added them later that year); DeepSpeed's pipeline engine runs 1F1B without
+    # interleaving (deepspeed/runtime/pipe/schedule.py, TrainSchedule: 2 (m + p - 1) steps) and splits each message
+    # over the tensor-parallel ranks (engine.py, is_pipe_partitioned)
     "megatron-deepspeed-2022": dict(zero_stages=(0, 1), sequence_parallel=(False,), tp_overlap=(False,), max_cp=1,
-                                    recompute=(None, "full")),
+                                    recompute=(None, "full"), virtual_stages=(1,)),
     # Megatron-Core / NeMo in 2024: the distributed optimizer (ZeRO-1), no ZeRO-2 or -3
     "megatron-core-2024": dict(zero_stages=(0, 1)),
     # Llama 3's 4D parallelism (arXiv 2407.21783, Sec. 3.3.2) describes no overlap of TP communication
@@ -153,6 +168,7 @@ def _megatron_table_1() -> list[PublishedRun]:
             f"Megatron-LM GPT {size:g}B", spec, Cluster.of(n, **A100), layout, batch, "mixed_adam_fp32_main_grads",
             f"{tflops} TFLOP/s per GPU", megatron_flops(batch, 2048, layers, h, 51200) / (n * tflops * 1e12),
             "arXiv 2104.04473, Table 1; examples/sc21/run_table_1.sh", overlap=ddp == "torch", attention="unfused",
+            overlap_with_pipeline=False,
             search=SOFTWARE["megatron-2021"]))
     return runs
 
@@ -177,7 +193,8 @@ def _gpt3_1024() -> PublishedRun:
                         "mixed_adam_fp32_main_grads", "138 TFLOP/s per GPU (~32 s)",
                         megatron_flops(1536, 2048, 96, 12288, 51200) / (1024 * 138e12),
                         "Megatron-LM README (Jan 2021); examples/pretrain_gpt3_175B.sh", overlap=False,
-                        attention="unfused", search=SOFTWARE["megatron-2021"],
+                        scatter_gather=False, overlap_with_pipeline=False, attention="unfused",
+                        search=SOFTWARE["megatron-2021-01"],
                         assumed="Megatron's 'local' DDP of 2021: gradients reduced after the backward")
 
 
@@ -189,6 +206,30 @@ def _bloom() -> PublishedRun:
                         "arXiv 2211.05100, Sec. 3.4; bigscience train/tr11-176B-ml (slurm script, chronicles)",
                         overlap=False, attention="unfused", search=SOFTWARE["megatron-deepspeed-2022"],
                         assumed="Megatron-DeepSpeed's BF16 optimizer reduces the gradients after the backward")
+
+
+# BLOOM's layout search, timed side by side on its own 48 nodes before training (bigscience
+# train/tr11-176B-ml/chronicles-prequel.md, "Rebalancing layers", 2022-02-28: the final shape, 70 layers of h 14336,
+# the BF16 optimizer, the embedding partitioned as a layer): (dp, tp, pp, micro-batch, heads, seconds per iteration,
+# memory in GB as the chronicle reports it). Each time is the second iteration's ("the data isn't exact and can
+# fluctuate a bit", the chronicle); BLOOM trained with the third row's layout.
+BLOOM_LAYOUT_SEARCH = (
+    (4, 8, 12, 2, 64, 121.63, 40), (8, 4, 12, 2, 64, 102.03, 59), (8, 4, 12, 2, 112, 104.50, 59),
+    (8, 4, 12, 2, 128, 105.89, 60), (8, 4, 12, 4, 64, 102.27, 73),
+)
+
+
+def bloom_layout_search() -> list[tuple[PublishedRun, float]]:
+    """BLOOM's layouts measured side by side (BLOOM_LAYOUT_SEARCH): (run, measured GB) each. Used for nothing but
+    the comparison of what the planner predicts between them with what was measured (validate.side_by_side)."""
+    bloom, runs = _bloom(), []
+    for d, t, p, b, heads, seconds, gigabytes in BLOOM_LAYOUT_SEARCH:
+        spec = replace(bloom.spec, n_head=heads, name=f"bloom-176b, {heads} heads")
+        layout = replace(bloom.layout, dp=d, tp=t, pp=p, micro_batch=b)
+        runs.append((replace(bloom, name=f"BLOOM {heads} heads, {layout}", spec=spec, layout=layout,
+                             published=f"{seconds} s per iteration", step_s=seconds,
+                             source="bigscience train/tr11-176B-ml/chronicles-prequel.md (2022-02-28)"), gigabytes))
+    return runs
 
 
 def _llama3(n_gpus: int, cp: int, mfu: float) -> PublishedRun:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, fields
 
-from shardlib.plan.inputs import Cluster, GiB, Layout
+from shardlib.plan.inputs import RECOMPUTE, Cluster, GiB, Layout
 
 LEGEND = (
     ("dp, cp, tp", "data-, context- (u: Ulysses, else ring attention) and tensor-parallel sizes"),
@@ -35,6 +35,9 @@ LEGEND = (
 ASSUMPTIONS = {
     "compute": "the matmul curve: each product at the GPU's measured ceiling times the fitted fraction, with tile "
                "and wave quantization of its per-GPU shape (gemm.py)",
+    "recompute": "that the layout recomputing less keeps its activations within the GPU's memory: the activation "
+                 "model (arXiv 2205.05198, compute.py) and the recipe's bytes per parameter; the forward run again "
+                 "costs the other its products",
     "elementwise": "memory-bound kernels at the fitted fraction of HBM bandwidth",
     "tp": "tensor-parallel all-reduces on the critical path at the fitted fraction of the link bandwidth (hidden "
           "only with tp_overlap, by the overlap rule)",
@@ -126,9 +129,16 @@ def deciding(best, other, cluster: Cluster) -> dict:
     deltas = [(name, label, theirs - ours) for (name, _, ours), (_, label, theirs) in
               zip(_time_parts(best, cluster), _time_parts(other, cluster))]
     name, label, most = max(deltas, key=lambda x: x[2])
+    if name == "compute" and _recomputes(other.layout) > _recomputes(best.layout):  # the products it runs again
+        name, label = "recompute", f"compute ({other.layout.recompute or 'no'} recomputation against "\
+                                   f"{best.layout.recompute or 'none'})"
     gap = other.step_s - best.step_s
     return dict(field=name, label=label, seconds=most, gap=gap, single=most >= gap and gap > 0,
                 assumption=ASSUMPTIONS[name])
+
+
+def _recomputes(lay: Layout) -> int:
+    return RECOMPUTE.index(lay.recompute)
 
 
 def _trade(best, other, cluster: Cluster, what: str) -> str:

@@ -15,7 +15,8 @@ def check_batch(global_batch) -> None:
         raise ValueError(f"global_batch must be a positive integer (sequences per step), got {global_batch!r}")
 
 
-def check_options(cluster: Cluster, efficiency, overlap, reserve_gib: float, attention: str = "flash") -> None:
+def check_options(cluster: Cluster, efficiency, overlap, reserve_gib: float, attention: str = "flash",
+                  scatter_gather: bool = True, overlap_with_pipeline: bool = True) -> None:
     if efficiency is not None and not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], the fraction of the GPU's measured matmul ceiling "
                          f"(Cluster.matmul_tflops) the products reach; got {efficiency!r}")
@@ -25,6 +26,10 @@ def check_options(cluster: Cluster, efficiency, overlap, reserve_gib: float, att
     if not isinstance(overlap, bool):
         raise ValueError(f"overlap must be True (data-parallel communication overlapped with compute) or False; "
                          f"got {overlap!r}")
+    for name, value in (("scatter_gather", scatter_gather), ("overlap_with_pipeline", overlap_with_pipeline)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False (shardlib.plan.plan's docstring says what it means); "
+                             f"got {value!r}")
     if not 0 <= reserve_gib < cluster.gpu_mem_gib:
         raise ValueError(f"reserve_gib must be in [0, {cluster.gpu_mem_gib:g}) GiB, got {reserve_gib!r}")
 

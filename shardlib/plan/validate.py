@@ -8,7 +8,8 @@ validate(run) predicts the published layout (its free knobs chosen by the planne
 allows: the fastest that fits), then ranks it among every layout of the default search on the same GPUs,
 model, batch and software (recipe, overlap, attention): rank 1 is the planner's own pick, and `gap` says how
 much faster the pick is predicted. explain() names the single assumption the pick rests on when it is not
-the published layout.
+the published layout. side_by_side() holds the ranking itself against layouts of one model timed on one cluster
+(BLOOM's, before its training): predicted and measured step time, each over the fastest measured.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import math
 
 from shardlib.plan.fitted import FITTED
 from shardlib.plan.planner import NoLayoutFits, plan, predict
-from shardlib.plan.published import PublishedRun, held_out_runs, training_runs
+from shardlib.plan.published import PublishedRun, bloom_layout_search, held_out_runs, training_runs
 
 
 def _options(run: PublishedRun, constants: dict) -> dict:
     fitted = {**FITTED, **constants}
     return dict(recipe=run.recipe, overlap=run.overlap, attention=run.attention, efficiency=fitted[run.gpu],
-                link_efficiency=(fitted["nvlink"], fitted["network"]), hbm_efficiency=fitted["hbm"])
+                link_efficiency=(fitted["nvlink"], fitted["network"]), hbm_efficiency=fitted["hbm"],
+                scatter_gather=run.scatter_gather, overlap_with_pipeline=run.overlap_with_pipeline)
 
 
 def published_estimate(run: PublishedRun, **constants):
@@ -117,6 +119,33 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def side_by_side(runs: list[tuple[PublishedRun, float]] | None = None) -> list[dict]:
+    """Layouts of one model measured on one cluster (default: published.bloom_layout_search()): for each, the
+    measured and predicted step time, each as a ratio to the fastest measured one, and memory measured and
+    predicted (GB, 1e9 bytes). A planner is for choosing: these ratios test the choice directly."""
+    runs = runs if runs is not None else bloom_layout_search()
+    rows = []
+    for run, gigabytes in runs:
+        e = published_estimate(run)
+        rows.append(dict(run=run.name, layout=str(e.layout), heads=run.spec.n_head, measured_s=run.step_s,
+                         predicted_s=e.step_s, measured_gb=gigabytes, predicted_gb=e.memory_bytes / 1e9))
+    fastest = min(rows, key=lambda r: r["measured_s"])
+    for r in rows:
+        r["measured_ratio"] = r["measured_s"] / fastest["measured_s"]
+        r["predicted_ratio"] = r["predicted_s"] / fastest["predicted_s"]
+    return rows
+
+
+def format_side_by_side(rows: list[dict]) -> str:
+    lines = [f"{'layout':<38} {'heads':>5} {'measured s':>10} {'pred. s':>8} {'error':>7} {'measured x':>10} "
+             f"{'pred. x':>8} {'GB meas.':>8} {'GB pred.':>8}"]
+    for r in rows:
+        lines.append(f"{r['layout']:<38} {r['heads']:>5} {r['measured_s']:>10.2f} {r['predicted_s']:>8.2f} "
+                     f"{r['predicted_s'] / r['measured_s'] - 1:>+7.1%} {r['measured_ratio']:>10.3f} "
+                     f"{r['predicted_ratio']:>8.3f} {r['measured_gb']:>8.0f} {r['predicted_gb']:>8.1f}")
+    return "\n".join(lines)
+
+
 def report(rank: bool = True) -> str:
     """Both sets, their summaries, and for every run whose layout is not the planner's pick, what decides it."""
     out = []
@@ -130,5 +159,8 @@ def report(rank: bool = True) -> str:
                 if r["deciding"]]
         free = sorted({r["free"] for r in rows if r["free"]})
         out += [f"  chosen by the planner where not published: {f}" for f in free] + [""]
+    out += ["BLOOM's layouts timed side by side on its cluster, held out (x: step time over the fastest measured; "
+            "GB: the most a GPU used, as its chronicle reports it, and the planner's memory)",
+            format_side_by_side(side_by_side())]
     return "\n".join(out)
 
