@@ -151,8 +151,10 @@ SOFTWARE = {
                                     recompute=(None, "full"), virtual_stages=(1,)),
     # Megatron-Core / NeMo in 2024: the distributed optimizer (ZeRO-1), no ZeRO-2 or -3
     "megatron-core-2024": dict(zero_stages=(0, 1)),
-    # Llama 3's 4D parallelism (arXiv 2407.21783, Sec. 3.3.2) describes no overlap of TP communication
-    "llama3": dict(tp_overlap=(False,)),
+    # Llama 3's 4D parallelism (arXiv 2407.21783, Sec. 3.3.2) describes no overlap of TP communication, and its
+    # data parallelism is FSDP, whose sharding strategies are ZeRO-3, ZeRO-2 or none (torch.distributed.fsdp.
+    # ShardingStrategy: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD and their hybrids): no optimizer-only ZeRO-1
+    "llama3": dict(tp_overlap=(False,), zero_stages=(0, 2, 3)),
 }
 A100 = dict(gpu="a100")
 H100 = dict(gpu="h100")
