@@ -262,8 +262,8 @@ def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_
     shardlib/plan/fitted.py); scatter_gather: pipeline messages split over the tensor-parallel ranks and
     all-gathered by the receivers (arXiv 2104.04473, Sec. 4.1; False: each rank sends the whole activation, as
     Megatron-LM did before February 2021); overlap_with_pipeline: False where the framework overlaps
-    data-parallel traffic only without a pipeline (Megatron-LM in 2021). `choices` narrow the enumeration (candidate_layouts). Raises NoLayoutFits,
-    naming the smallest memory any layout needs, when none fits.
+    data-parallel traffic only without a pipeline (Megatron-LM in 2021). `choices` narrow the enumeration
+    (candidate_layouts). Raises NoLayoutFits, naming the smallest memory any layout needs, when none fits.
     """
     check_options(cluster, efficiency, overlap, reserve_gib, attention, scatter_gather, overlap_with_pipeline)
     rows = _candidate_rows(spec, cluster, global_batch, attention=attention, **choices)

@@ -13,8 +13,9 @@ training_runs()
   data-parallel implementation (PyTorch's DDP, overlapped, or Megatron's "local" one, after the backward)
   from the paper's own script, examples/sc21/run_table_1.sh. The Megatron-LM of that time ran pipelines only with
   the local one ("We only support local DDP with multiple micro-batches", megatron/training.py, April 2021): in
-  the ranking, a layout with pp > 1 reduces its gradients after the backward (overlap_with_pipeline=False). Published: TFLOP/s per GPU X, counting
-  F = 96 B s L h^2 (1 + s/(6h) + V/(16 L h)) FLOPs per step (eq. 3, recomputation included): step = F / (N X).
+  the ranking, a layout with pp > 1 reduces its gradients after the backward (overlap_with_pipeline=False).
+  Published: TFLOP/s per GPU X, counting F = 96 B s L h^2 (1 + s/(6h) + V/(16 L h)) FLOPs per step (eq. 3,
+  recomputation included): step = F / (N X).
 - Megatron-Core, H100 weak scaling (NVIDIA/Megatron-LM README, "Training Speed and Scalability", the table
   images/model_table.png, r0.8.0): nine GPT models, 1.7B to 462B, on 48 to 6,144 H100, V = 131,072,
   s = 4,096, data-parallel size 48, with --overlap-grad-reduce --overlap-param-gather (the distributed
