@@ -325,9 +325,9 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, opt
     elem_fwd, elem_bwd = layers * one["elem_fwd"], layers * one["elem_bwd"]
     forward_s, backward_s = gemm_fwd + elem_fwd, gemm_bwd + elem_bwd + redo
 
-    comm = stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, options.overlap, options.link,
-                               options.scatter_gather, options.overlap_with_pipeline, psi_dense, psi_expert,
-                               forward_s, backward_s)
+    dp_overlap = torch.as_tensor(options.overlap) & ((p == 1) | options.overlap_with_pipeline)  # per layout
+    comm = stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, dp_overlap, options.link,
+                               options.scatter_gather, psi_dense, psi_expert, forward_s, backward_s)
     micro = forward_s + backward_s + comm.tp + comm.cp + comm.ep  # one micro-batch on this stage
     bubble = (p - 1) / v * micro
     optimizer_s = sharded * (2 * recipe.optimizer + recipe.grads + e) / (cluster.hbm_bw_gbps * 1e9 * hbm)

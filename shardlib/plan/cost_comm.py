@@ -51,13 +51,12 @@ class StageComm:
     dp_sent = property(lambda self: self.sent("dp"))
 
 
-def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, overlap: bool, link: tuple,
-                        scatter_gather: bool, overlap_with_pipeline: bool, psi_dense, psi_expert, forward_s,
-                        backward_s) -> StageComm:
-    """Collectives and exposed seconds of stage k's GPUs; `one`: compute.layer_seconds of one layer; link: the
-    fractions of the links' bandwidth collectives reach (inside a node, across); scatter_gather: pipeline messages
-    split over the tensor-parallel ranks and gathered by the receivers (else each rank sends all of it);
-    overlap_with_pipeline: whether data-parallel traffic still overlaps compute when pp > 1."""
+def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, dp_overlap, link: tuple,
+                        scatter_gather: bool, psi_dense, psi_expert, forward_s, backward_s) -> StageComm:
+    """Collectives and exposed seconds of stage k's GPUs; `one`: compute.layer_seconds of one layer; dp_overlap: a
+    column, whether each layout's data-parallel traffic overlaps compute; link: the fractions of the links'
+    bandwidth collectives reach (inside a node, across); scatter_gather: pipeline messages split over the
+    tensor-parallel ranks and gathered by the receivers (else each rank sends all of it)."""
     d, t, p, cp, ep, v = c.dp, c.tp, c.pp, c.cp, c.ep, c.virtual
     e, eg = recipe.params, recipe.grads
     alpha = cluster.alpha_us * 1e-6
@@ -139,7 +138,6 @@ def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, o
     busy = torch.where(in_node(cluster, t * cp * d), tp_busy + torch.where(in_node(cluster, t * cp), ring_busy, 0.0),
                        torch.where(in_node(cluster, t * cp), 0.0, ring_busy))
     windows = (torch.clamp(forward_s - busy, min=0.0), torch.clamp(backward_s - busy, min=0.0))
-    dp_overlap = torch.as_tensor(overlap) & ((p == 1) | overlap_with_pipeline)  # a column: per layout
     dense_s, dense = _data_parallel(c, m, layers, psi_dense * e, psi_dense * eg, dp_ring, windows, dp_overlap)
     expert_s, experts = _data_parallel(c, m, layers, psi_expert * e, psi_expert * eg, expert_ring, windows,
                                        dp_overlap)

@@ -139,11 +139,6 @@ SOFTWARE = {
     # context parallelism, no TP overlap; Table 1 recomputes every layer in every run (run_table_1.sh)
     "megatron-2021": dict(zero_stages=(0,), sequence_parallel=(False,), tp_overlap=(False,), max_cp=1,
                           recompute=("full",)),
-    # the same in January 2021, before the interleaved schedule and the scatter/gather of pipeline messages: both
-    # reached the repository's main branch on 2021-02-16/17 (commits 72e4230 "Turn scatter-gather optimization on
-    # by default" and 76e3fca "Merge branch 'better_schedule'"), after the GPT-3 175B note of 2021-01-11 (152aab3)
-    "megatron-2021-01": dict(zero_stages=(0,), sequence_parallel=(False,), tp_overlap=(False,), max_cp=1,
-                             recompute=("full",), virtual_stages=(1,)),
     # Megatron-DeepSpeed for BLOOM (2022): its BF16 optimizer is ZeRO-1; no sequence parallelism or selective
     # recomputation (Megatron-LM added them later that year); DeepSpeed's pipeline engine runs 1F1B without
     # interleaving (deepspeed/runtime/pipe/schedule.py, TrainSchedule: 2 (m + p - 1) steps) and splits each message
@@ -157,6 +152,10 @@ SOFTWARE = {
     # ShardingStrategy: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD and their hybrids): no optimizer-only ZeRO-1
     "llama3": dict(tp_overlap=(False,), zero_stages=(0, 2, 3)),
 }
+# the same in January 2021, before the interleaved schedule and the scatter/gather of pipeline messages: both
+# reached the repository's main branch on 2021-02-16/17 (commits 72e4230 "Turn scatter-gather optimization on
+# by default" and 76e3fca "Merge branch 'better_schedule'"), after the GPT-3 175B note of 2021-01-11 (152aab3)
+SOFTWARE["megatron-2021-01"] = {**SOFTWARE["megatron-2021"], "virtual_stages": (1,)}
 A100 = dict(gpu="a100")
 H100 = dict(gpu="h100")
 CHOOSE = dict(micro_batch=(1, 2, 4, 8), virtual_stages=None, recompute=(None, "selective", "full"))
