@@ -52,7 +52,8 @@ from shardlib.plan.links import COMPUTE_SLOWDOWN, exposed
 from shardlib.plan.published import BLOOM_LAYOUT_SEARCH, held_out_runs, training_runs
 from shardlib.plan.report import ASSUMPTIONS
 from shardlib.plan.validate import format_table as format_validation
-from shardlib.plan.validate import format_side_by_side, published_estimate, side_by_side, summary, table
+from shardlib.plan.validate import (format_side_by_side, format_sweeps, published_estimate, side_by_side, summary,
+                                    sweeps, table)
 from shardlib.plan.inference import inference_table, predict_inference
 from shardlib.reference import model_loss
 
@@ -433,6 +434,33 @@ def test_data_parallel_overlap_can_be_lost_inside_a_pipeline_only():
         assert (lost.dp_s > kept.dp_s) == changes and lost.costs.sent.dp == kept.costs.sent.dp
 
 
+def test_data_parallel_all_reduce_over_nodes_moves_the_nodes_whole_network():
+    # nccl-tests on 3 nodes of 8 A100 with 4 HDR NICs each (https://github.com/NVIDIA/nccl-tests/issues/119): an
+    # all-reduce over the 24 GPUs reached 84.8 GB/s of bus bandwidth on average, 96 at best, against the nodes'
+    # 4 x 200 Gb/s = 100 GB/s; one GPU's share of that is 12.5. The planner's bus bandwidth for a data-parallel
+    # group with k GPUs in each node: k shares of it, so whole nodes within 20% of the measured average
+    cluster, spec = Cluster.of(24, inter_bw_gbps=4 * 200 / 8 / 8), ModelSpec.preset("llama-7b")
+    bus = {}
+    for tp in (1, 2, 8):
+        layout = Layout(dp=24 // tp, tp=tp)
+        n = layout.dp
+        (reduce,) = [c for c in per_gpu(spec, cluster, layout, n, overlap=False)["collectives"]
+                     if c["group"] == "dp" and c["kind"] == "all_reduce" and c["calls"]]
+        bus[tp] = 2 * (n - 1) / n * reduce["bytes"] / predict(spec, cluster, layout, n, overlap=False).dp_s / 1e9
+    assert abs(bus[1] / 84.8 - 1) < 0.2 and bus[1] <= 100.0 + 1e-6, bus
+    assert bus[2] == pytest.approx(bus[1] / 2, rel=0.01) and bus[8] == pytest.approx(bus[1] / 8, rel=0.01), bus
+
+
+def test_megatron_sweeps_keep_the_order_the_paper_measured():
+    # Megatron-LM swept one model over tensor, pipeline and data parallelism on 64 A100 (arXiv 2104.04473,
+    # Figures 13-15, on the training set's cluster but not fitted on): at every batch the planner's order is the
+    # one the paper's text reports (t = 8 fastest against pipelines; throughput falling with p, and with t, against
+    # data parallelism at 5.9B)
+    rows = sweeps()
+    print("\n" + format_sweeps(rows))
+    assert len(rows) == 7 and all(r["holds"] for r in rows), [(r["figure"], r["batch"]) for r in rows if not r["holds"]]
+
+
 def test_bloom_layouts_timed_side_by_side_keep_their_order_against_the_fastest():
     # BLOOM's team timed five layouts of the final model on its 384 GPUs (published.BLOOM_LAYOUT_SEARCH, held
     # out): the planner must not predict any of them faster than the one measured fastest; it prints how far its
@@ -472,8 +500,8 @@ def _ranks_are_explained(rows):
 
 @pytest.mark.slow
 def test_training_runs_fit_and_the_constants_are_their_fit():
-    # the training set: what fitted.py's constants are fitted on; each constant, moved by 0.01 either way, fits
-    # them no better (the constants are a minimum of the squared log error, not typed in)
+    # the training set: what fitted.py's constants are fitted on; each constant, moved by 0.01 either way within
+    # the fit's bounds (fractions: 0.3 to 1), fits them no better (a minimum of the squared log error, not typed in)
     runs = training_runs()
     rows = table(runs, rank=False)  # `python -m shardlib plan --validate` ranks them too
     print("\n" + format_validation(rows))
@@ -488,8 +516,9 @@ def test_training_runs_fit_and_the_constants_are_their_fit():
                                  for r in table(runs, rank=False, **constants))
     best = loss({})
     for key in FITTED:
-        for delta in (-0.01, 0.01):
-            assert loss({key: FITTED[key] + delta}) >= best - 1e-4, f"{key} = {FITTED[key] + delta} fits better"
+        for value in (FITTED[key] - 0.01, FITTED[key] + 0.01):
+            if 0.3 <= value <= 1.0:
+                assert loss({key: value}) >= best - 1e-4, f"{key} = {value} fits better"
 
 
 def test_matmul_curve_quantizes_tiles_and_waves():

@@ -3,9 +3,17 @@
 Ring collectives on a group of n GPUs (comm.AlphaBeta, the course's alpha-beta model): an all-reduce
 takes 2(n-1) steps, an all-gather, reduce-scatter or all-to-all n-1, each step alpha + S / (n B) for a
 tensor of S bytes; one GPU sends 2(n-1)/n S or (n-1)/n S. B is the bandwidth per GPU and direction of
-the slowest link the group crosses (NVLink when its GPUs share a node, the network otherwise), times
-the fraction of it collectives reach there (fitted, shardlib/plan/fitted.py; nccl-tests report ~200 GB/s of
-bus bandwidth for an all-reduce over 8 NVLink A100s of 300, https://github.com/NVIDIA/nccl-tests/issues/149).
+the slowest link the group crosses, times the fraction of it collectives reach there (fitted,
+shardlib/plan/fitted.py; nccl-tests report ~200 GB/s of bus bandwidth for an all-reduce over 8 NVLink
+A100s of 300, https://github.com/NVIDIA/nccl-tests/issues/149):
+- inside a node, NVLink;
+- across nodes, k B_net for a group with k GPUs in each node (B_net: one GPU's share of the node's
+  network): NCCL runs a ring per NIC, each leaving the node through a different one, so an all-reduce
+  over whole nodes moves the node's whole network bandwidth (nccl-tests on 3 nodes of 8 A100 with 4 HDR
+  NICs: about 85 GB/s of bus bandwidth, 96 at best, against 4 x 200 Gb/s = 100 GB/s per node, where one
+  GPU's share is 12.5, https://github.com/NVIDIA/nccl-tests/issues/119). The data-parallel groups (and
+  ZeRO's) have k = g / t, at least 1. Tensor-, context- and expert-parallel groups that cross nodes are
+  charged one GPU's share (cost_comm.py says why).
 
 Overlap. A collective of C seconds launched beside computation of T seconds (a DP reduction beside the
 backward, a ring-attention block beside attention, a TP all-gather beside its matrix product) can hide
@@ -36,12 +44,14 @@ def exposed(comm, window, overlap: bool = True):
     return torch.maximum(comm - window, comm * (COMPUTE_SLOWDOWN / (1 + COMPUTE_SLOWDOWN)))
 
 
-def link_bandwidth(cluster, span, fraction: tuple[float, float]):
-    """Bytes/s per GPU of a group spanning `span` consecutive ranks: inside one node or across, times the
-    fraction of it collectives reach there (fraction: (inside, across))."""
-    g = cluster.gpus_per_node
-    inside = (span <= g) & (torch.remainder(g, span) == 0)
-    return torch.where(inside, cluster.intra_bw_gbps * fraction[0], cluster.inter_bw_gbps * fraction[1]) * 1e9
+def link_bandwidth(cluster, span, fraction: tuple[float, float], nics=1):
+    """Bytes/s per GPU of a group spanning `span` consecutive ranks: inside one node, NVLink; across nodes, one
+    GPU's share of the network times `nics`, the group's GPUs in each node (a ring collective runs a ring per
+    NIC it can use), at most NVLink's; times the fraction of it collectives reach there (fraction: (inside,
+    across))."""
+    network = torch.as_tensor(cluster.inter_bw_gbps * fraction[1] * nics)
+    across = torch.clamp(network, max=cluster.intra_bw_gbps * fraction[0])
+    return torch.where(in_node(cluster, span), cluster.intra_bw_gbps * fraction[0], across) * 1e9
 
 
 def in_node(cluster, span):

@@ -48,7 +48,9 @@ held_out_runs()
   Nemotron-340B on 128 GPUs (t 8, p 8, v 12, batch 32). Recomputation is not published: free.
 
 bloom_layout_search(): five layouts of BLOOM timed side by side on its cluster before training (its chronicle):
-a check of the ranking itself, used for nothing else (validate.side_by_side).
+a check of the ranking itself, used for nothing else (validate.side_by_side). megatron_sweeps(): Megatron-LM's
+sweeps of one model over tensor, pipeline and data parallelism on 64 GPUs of the training set's cluster
+(Figures 13-15), held by the order the paper reports (validate.sweeps), and used for nothing else.
 
 Not used: MT-NLG 530B, OPT-175B (their iteration times and micro-batches are not in a source this project's
 search reaches), PaLM (TPU v4, which the planner does not model).
@@ -232,6 +234,40 @@ def bloom_layout_search() -> list[tuple[PublishedRun, float]]:
                              published=f"{seconds} s per iteration", step_s=seconds,
                              source="bigscience train/tr11-176B-ml/chronicles-prequel.md (2022-02-28)"), gigabytes))
     return runs
+
+
+# Megatron-LM's own sweeps of one model over layouts of 64 A100 of Selene (arXiv 2104.04473, Sec. 5.4, Figures
+# 13-15; the layouts of examples/sc21/run_figure_13.sh, _14.sh and _15.sh: micro-batch 1, full recomputation, the
+# local DDP, fp16, no interleaving). The figures are plots: what is held is the order the paper's text gives
+# (its words, quoted).
+# (figure, layers, hidden, heads, batches, the layouts as (dp, tp, pp), what the text says of their order,
+# "peak" at the layout of that index or "falling" along them)
+MEGATRON_SWEEPS = (
+    (13, 32, 20480, 128, (32, 128), tuple((1, 64 // p, p) for p in (2, 4, 8, 16, 32)), ("peak", 2),
+     "peak performance when the tensor-parallel size is equal to the number of GPUs in a single node"),
+    (14, 32, 3840, 32, (32, 512), tuple((64 // p, 1, p) for p in (2, 4, 8, 16, 32)), ("falling", None),
+     "for each batch size, the throughput decreases as the pipeline-parallel size increases"),
+    (15, 32, 3840, 32, (32, 128, 512), tuple((64 // t, t, 1) for t in (2, 4, 8, 16, 32)), ("falling", None),
+     "as the tensor-model-parallel size increases, we perform smaller matrix multiplications on every GPU, "
+     "decreasing utilization on each GPU"),
+)
+
+
+def megatron_sweeps() -> list[tuple[int, int, str, tuple, str, list[PublishedRun]]]:
+    """MEGATRON_SWEEPS as runs: (figure, batch, the order claimed, its index, the paper's words, the runs) per
+    figure and batch. Used for nothing but holding the planner's order to the measured one (validate.sweeps)."""
+    out = []
+    for figure, layers, h, heads, batches, layouts, (order, index), words in MEGATRON_SWEEPS:
+        spec = ModelSpec(layers, h, heads, 51200, 2048, tied_embeddings=True, name=f"gpt, {layers} x {h}")
+        for batch in batches:
+            runs = [PublishedRun(f"Figure {figure}, batch {batch}, dp{d} tp{t} pp{p}", spec, Cluster.of(64, **A100),
+                                 Layout(dp=d, tp=t, pp=p, micro_batch=1, recompute="full"), batch,
+                                 "mixed_adam_fp32_main_grads", f"Figure {figure}", None,
+                                 f"arXiv 2104.04473, Figure {figure}; examples/sc21/run_figure_{figure}.sh",
+                                 overlap=False, attention="unfused", overlap_with_pipeline=False)
+                    for d, t, p in layouts]
+            out.append((figure, batch, order, index, words, runs))
+    return out
 
 
 def _llama3(n_gpus: int, cp: int, mfu: float) -> PublishedRun:

@@ -18,7 +18,8 @@ import math
 
 from shardlib.plan.fitted import FITTED
 from shardlib.plan.planner import NoLayoutFits, plan, predict
-from shardlib.plan.published import PublishedRun, bloom_layout_search, held_out_runs, training_runs
+from shardlib.plan.published import (PublishedRun, bloom_layout_search, held_out_runs, megatron_flops, megatron_sweeps,
+                                     training_runs)
 
 
 def _options(run: PublishedRun, constants: dict) -> dict:
@@ -146,6 +147,31 @@ def format_side_by_side(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def sweeps() -> list[dict]:
+    """Megatron-LM's sweeps of Figures 13-15 (published.megatron_sweeps()): per figure and batch, the planner's
+    TFLOP/s per GPU for each layout (counted as the paper counts them, eq. 3) and whether their order is the one
+    the paper reports: the fastest at the claimed layout ("peak"), or each slower than the one before ("falling")."""
+    rows = []
+    for figure, batch, order, index, words, runs in megatron_sweeps():
+        spec = runs[0].spec
+        flops = megatron_flops(batch, spec.seq_len, spec.n_layer, spec.hidden, spec.vocab_size)
+        tflops = [flops / (run.cluster.n_gpus * published_estimate(run).step_s) / 1e12 for run in runs]
+        holds = (max(range(len(tflops)), key=tflops.__getitem__) == index if order == "peak"
+                 else all(a > b for a, b in zip(tflops, tflops[1:])))
+        rows.append(dict(figure=figure, batch=batch, layouts=[str(r.layout).split(" zero")[0] for r in runs],
+                         tflops=tflops, claim=words, holds=holds))
+    return rows
+
+
+def format_sweeps(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        cells = "  ".join(f"{name} {x:.0f}" for name, x in zip(r["layouts"], r["tflops"]))
+        lines.append(f"Figure {r['figure']}, batch {r['batch']:>3}: {cells}  {'holds' if r['holds'] else 'does not hold'}")
+    claims = {r["figure"]: r["claim"] for r in rows}
+    return "\n".join(lines + [f"  Figure {k}: \"{v}\"" for k, v in claims.items()])
+
+
 def report(rank: bool = True) -> str:
     """Both sets, their summaries, and for every run whose layout is not the planner's pick, what decides it."""
     out = []
@@ -161,6 +187,9 @@ def report(rank: bool = True) -> str:
         out += [f"  chosen by the planner where not published: {f}" for f in free] + [""]
     out += ["BLOOM's layouts timed side by side on its cluster, held out (x: step time over the fastest measured; "
             "GB: the most a GPU used, as its chronicle reports it, and the planner's memory)",
-            format_side_by_side(side_by_side())]
+            format_side_by_side(side_by_side()), "",
+            "Megatron-LM's sweeps on 64 A100 of the training set's cluster (predicted TFLOP/s per GPU; the paper's "
+            "plots are held by the order its text reports, quoted)",
+            format_sweeps(sweeps())]
     return "\n".join(out)
 
