@@ -62,8 +62,8 @@ def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, d
     alpha = cluster.alpha_us * 1e-6
     ring = lambda n, span, nics=1: Ring(n, link_bandwidth(cluster, span, link, nics), alpha)  # noqa: E731
     # tensor, context and expert groups cross nodes on each GPU's own link: ring attention's sends and the
-    # all-to-alls go GPU to GPU, and tensor parallelism across nodes Megatron-LM measured far slower (arXiv
-    # 2104.04473, 5.4.1, Figure 13), so the planner does not credit it with the node's other NICs
+    # all-to-alls go GPU to GPU, and Megatron-LM found tensor parallelism best within a node "due to its expensive
+    # all-reduce communication" (arXiv 2104.04473, 5.4.1), so it is not credited with the node's other NICs
     tp_ring, cp_ring, ep_ring = ring(t, t), ring(cp, t * cp), ring(ep, t * cp * ep)
     # the data-parallel groups: their g / t GPUs in each node carry a ring each over the node's NICs (links.py)
     per_node = lambda stride: torch.clamp(torch.floor(cluster.gpus_per_node / stride), min=1.0)  # noqa: E731

@@ -167,7 +167,8 @@ def format_sweeps(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         cells = "  ".join(f"{name} {x:.0f}" for name, x in zip(r["layouts"], r["tflops"]))
-        lines.append(f"Figure {r['figure']}, batch {r['batch']:>3}: {cells}  {'holds' if r['holds'] else 'does not hold'}")
+        verdict = "holds" if r["holds"] else "does not hold"
+        lines.append(f"Figure {r['figure']}, batch {r['batch']:>3}: {cells}  {verdict}")
     claims = {r["figure"]: r["claim"] for r in rows}
     return "\n".join(lines + [f"  Figure {k}: \"{v}\"" for k, v in claims.items()])
 
