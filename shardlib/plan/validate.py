@@ -9,7 +9,9 @@ allows: the fastest that fits), then ranks it among every layout of the default 
 model, batch and software (recipe, overlap, attention): rank 1 is the planner's own pick, and `gap` says how
 much faster the pick is predicted. explain() names the single assumption the pick rests on when it is not
 the published layout. side_by_side() holds the ranking itself against layouts of one model timed on one cluster
-(BLOOM's, before its training): predicted and measured step time, each over the fastest measured.
+(BLOOM's, before its training): predicted and measured step time, each over the fastest measured. sweeps() holds
+it against Megatron-LM's sweeps of Figures 13-15: the order of the predicted throughputs against the order the
+paper reports.
 """
 
 from __future__ import annotations
@@ -158,7 +160,7 @@ def sweeps() -> list[dict]:
         tflops = [flops / (run.cluster.n_gpus * published_estimate(run).step_s) / 1e12 for run in runs]
         holds = (max(range(len(tflops)), key=tflops.__getitem__) == index if order == "peak"
                  else all(a > b for a, b in zip(tflops, tflops[1:])))
-        rows.append(dict(figure=figure, batch=batch, layouts=[str(r.layout).split(" zero")[0] for r in runs],
+        rows.append(dict(figure=figure, batch=batch, layouts=[f"dp{r.layout.dp} tp{r.layout.tp} pp{r.layout.pp}" for r in runs],
                          tflops=tflops, claim=words, holds=holds))
     return rows
 
