@@ -131,6 +131,10 @@ SCALARS = (int, float, complex, str, bytes, bool, type(None), range, slice)
 PLAIN_DATA = (*SCALARS, tuple, list, dict, set, frozenset, collections.OrderedDict, collections.defaultdict,
               collections.deque)
 CODE_LIKE = (types.FunctionType, types.MethodType, staticmethod, classmethod, property, functools.partial)
+NOT_WALKED = (BaseException, types.TracebackType, types.FrameType)
+# exact types looked up by identity (id), never by == or hash: a class's metaclass could answer those
+SCALAR_IDS, PLAIN_DATA_IDS = frozenset(map(id, SCALARS)), frozenset(map(id, PLAIN_DATA))
+SEQUENCE_IDS = frozenset(map(id, (tuple, list, frozenset)))
 TYPE_DICT, TYPE_MRO = type.__dict__["__dict__"].__get__, type.__dict__["__mro__"].__get__
 TYPE_MODULE, TYPE_QUALNAME = type.__dict__["__module__"].__get__, type.__dict__["__qualname__"].__get__
 BUILTIN_NAMES = frozenset(vars(builtins))
@@ -149,9 +153,9 @@ def type_name(cls):
 def safe(value, depth=0):
     """A repr of plain values only: no __repr__ of the notebook's runs here."""
     t = type(value)
-    if t in SCALARS:
+    if id(t) in SCALAR_IDS:
         return repr(value)[:200]
-    if t in (tuple, list, frozenset) and depth < 2:
+    if id(t) in SEQUENCE_IDS and depth < 2:
         return t.__name__ + "(" + ", ".join(safe(v, depth + 1) for v in list(value)[:20]) + ")"
     return f"<{type_name(t)} {id(value)}>"
 
@@ -177,13 +181,18 @@ def digest_by_hand(code):
     return h.hexdigest()[:16]
 
 
+def text(value):
+    """safe() of a name, without its quotes."""
+    return repr(value)[:200][1:-1] if type(value) is str else safe(value)[1:-1]
+
+
 def code_names(code):
     names, stack = set(), [code]
     while stack:
         c = stack.pop()
         names.update(c.co_names)
         stack.extend(k for k in c.co_consts if type(k) is types.CodeType)
-    return sorted(names)
+    return names
 
 
 class Fingerprints:
@@ -199,26 +208,28 @@ class Fingerprints:
 
     def fp(self, obj):
         key = id(obj)
-        if key not in self.memo:
-            self.memo[key] = (self._fp(obj), obj)  # obj kept: its id stays its own during this call
-        return self.memo[key][0]
+        known = self.memo.get(key)
+        if known is None:
+            known = self.memo[key] = (self._fp(obj), obj)  # obj kept: its id stays its own during this call
+        return known[0]
 
     def _fp(self, obj):
         t = type(obj)
+        if t is types.FunctionType:
+            module_globals, code, defaults, keywords = obj.__globals__, obj.__code__, obj.__defaults__, obj.__kwdefaults__
+            return (f"function {text(dict.get(module_globals, '__name__', '?'))}.{text(obj.__qualname__)} "
+                    f"in {text(code.co_filename)} {id(obj)} code {digest(code)} globals {id(module_globals)} "
+                    f"defaults {'None' if defaults is None else safe(defaults)} "
+                    f"{'tuple()' if keywords is None else safe(tuple(keywords.items()))}")
         if t is types.MethodType:
             return f"method of {id(obj.__self__)}: {self.fp(obj.__func__)}"
         if t in (staticmethod, classmethod):
             return f"{t.__name__}: {self.fp(obj.__func__)}"
         if t is property:
             return f"property {self.fp(obj.fget)} {self.fp(obj.fset)} {self.fp(obj.fdel)}"
-        if t is types.FunctionType:
-            where, qualname = obj.__globals__.get("__name__", "?"), obj.__qualname__
-            return (f"function {safe(where)[1:-1]}.{safe(qualname)[1:-1]} in {safe(obj.__code__.co_filename)[1:-1]} "
-                    f"{id(obj)} code {digest(obj.__code__)} globals {id(obj.__globals__)} "
-                    f"defaults {safe(obj.__defaults__)} {safe(tuple((obj.__kwdefaults__ or {}).items()))}")
         if t is functools.partial:
             return f"partial {id(obj)} of {self.fp(obj.func)} {safe(obj.args)}"
-        if t in SCALARS or t in (tuple, frozenset):
+        if id(t) in SCALAR_IDS or t is tuple or t is frozenset:
             return f"{t.__name__} {id(obj)} {hashlib.sha256(safe(obj).encode()).hexdigest()[:16]}"
         return f"{type_name(t)} {id(obj)}"
 
@@ -258,17 +269,23 @@ class Fingerprints:
 
     def bind(self, group, key, value):
         """A binding the walk found (a module's global, a class's attribute, a closure's cell), by digest."""
-        known = self.lines.get(id(value))
+        line = self.line_of(value)
+        if line is not None:
+            self.groups[group][key] = line
+
+    def line_of(self, value):
+        """line(value), worked out once per object; what it reaches queued for the walk."""
+        key = id(value)
+        known = self.lines.get(key)
         if known is None:
-            known = self.lines[id(value)] = (self.line(value), value)  # value kept: its id stays its own
+            known = self.lines[key] = (self.line(value), value)  # value kept: its id stays its own
             if known[0] is not None:
-                self.reach(value, group)
-        if known[0] is not None:
-            self.groups[group][key] = known[0]
+                self.reach(value, "")
+        return known[0]
 
     def line(self, value):
         """What a binding to `value` records, or None for data the walk leaves alone."""
-        if type(value) in PLAIN_DATA or isinstance(value, (BaseException, types.TracebackType, types.FrameType)) or (
+        if id(type(value)) in PLAIN_DATA_IDS or isinstance(value, NOT_WALKED) or (
                 isinstance(value, type) and issubclass(value, BaseException)):
             return None  # a library's own data (caches, registries, flags, sys.last_type) changes as it runs
         wrapped = self.wrapped(value)
@@ -298,20 +315,22 @@ class Fingerprints:
     def origin(self, value):
         """The library module that defines `value` (its code is the library's files), else ''."""
         key = id(value)
-        if key not in self.origins:
-            self.origins[key] = (self._origin(value), value)
-        return self.origins[key][0]
+        known = self.origins.get(key)
+        if known is None:
+            known = self.origins[key] = (self._origin(value), value)
+        return known[0]
 
     def _origin(self, value):
         t = type(value)
-        if t in (types.MethodType, staticmethod, classmethod):
+        if t is types.FunctionType:
+            name = dict.get(value.__globals__, "__name__", "")
+            return name if type(name) is str and self.library(value.__code__.co_filename) else ""
+        if t is types.MethodType or t is staticmethod or t is classmethod:
             return self.origin(value.__func__)
         if t is property:
             return self.origin(value.fget) if value.fget is not None else ""
         if t is functools.partial:
             return self.origin(value.func)
-        if t is types.FunctionType:
-            return value.__globals__.get("__name__", "") if self.library(value.__code__.co_filename) else ""
         if t is functools._lru_cache_wrapper:
             return self.origin(value.__wrapped__)
         if t is types.ModuleType:
@@ -327,8 +346,9 @@ class Fingerprints:
     def reach(self, value, group):
         if not isinstance(value, CODE_LIKE) and not isinstance(value, type):
             value = type(value)  # an instance: what it does is its class
-        if id(value) not in self.seen and self.walked < WALK_LIMIT:
-            self.seen.add(id(value))
+        key = id(value)
+        if key not in self.seen and self.walked < WALK_LIMIT:
+            self.seen.add(key)
             self.walked += 1
             self.queue.append(value)
 
@@ -352,8 +372,12 @@ class Fingerprints:
             self.reach(obj.func, "")
         elif isinstance(obj, type):
             group = "class " + type_name(obj)
+            bucket, line_of = None, self.line_of
             for name, value in list(TYPE_DICT(obj).items()):
-                self.bind(group, name, value)
+                line = line_of(value)
+                if line is not None:
+                    bucket = self.groups[group] if bucket is None else bucket  # made once it has a binding
+                    bucket[name] = line
             bases = TYPE_MRO(obj)[1:]
             self.bases[group] = ["class " + type_name(base) for base in bases]
             for i, base in enumerate(bases):
@@ -363,23 +387,30 @@ class Fingerprints:
         module_globals = function.__globals__
         if type(module_globals) is not dict:
             return
-        where = module_globals.get("__name__", "?")
+        where = dict.get(module_globals, "__name__", "?")
+        where = where if type(where) is str else safe(where)
         if where not in self.shadows:  # a module's own globals named like builtins: one added later shadows one
             self.shadows[where] = sorted(name for name, value in module_globals.items() if type(name) is str
                                          and name in BUILTIN_NAMES and type(value) is not types.ModuleType)
-        names = code_names(function.__code__)
+        names, group, line_of = code_names(function.__code__), self.groups["module " + where], self.line_of
         for name in names:
             if name in module_globals:
                 value = module_globals[name]
-                self.bind(f"module {where}", name, value)
+                line = line_of(value)
+                if line is not None:
+                    group[name] = line
                 if type(value) is types.ModuleType:
-                    attributes = vars(value)
+                    attributes, bucket = vars(value), None
                     for attribute in names:
                         if attribute in attributes:
-                            self.bind(f"module {attributes.get('__name__', '?')}", attribute, attributes[attribute])
+                            line = line_of(attributes[attribute])
+                            if line is not None:
+                                if bucket is None:
+                                    bucket = self.groups[f"module {text(attributes.get('__name__', '?'))}"]
+                                bucket[attribute] = line
         for i, cell in enumerate(function.__closure__ or ()):
             try:
-                self.bind(f"module {where}", f"{function.__qualname__}.<cell {i}>", cell.cell_contents)
+                self.bind("module " + where, f"{text(function.__qualname__)}.<cell {i}>", cell.cell_contents)
             except ValueError:
                 pass
 
@@ -584,7 +615,31 @@ def _dataclass_comparisons(names: tuple) -> dict:
     return {name: vars(twin)[name].__code__ for name in ("__eq__", "__lt__", "__le__", "__gt__", "__ge__")}
 
 
-def state(chains, data_roots, nonce, roots, baseline_imports=None, released_sources=(), released_files=()):
+def collector_switch(name):
+    """gc's own `name` (isenabled, disable, enable): a builtin of the gc module, else None (a stand-in is never
+    called)."""
+    gc = sys.modules.get("gc")
+    switch = vars(gc).get(name) if type(gc) is types.ModuleType else None
+    real = type(switch) is types.BuiltinFunctionType and switch.__self__ is gc and switch.__name__ == name
+    return switch if real else None
+
+
+def state(*request):
+    """The fingerprints (_state), with the cyclic garbage collector paused meanwhile where it ran: the walk
+    makes tens of thousands of small containers, and each of the collections that sets off goes over the
+    whole kernel's heap (torch's objects and the notebook's)."""
+    isenabled, disable, enable = map(collector_switch, ("isenabled", "disable", "enable"))
+    paused = None not in (isenabled, disable, enable) and isenabled()
+    if paused:
+        disable()
+    try:
+        return _state(*request)
+    finally:
+        if paused:
+            enable()
+
+
+def _state(chains, data_roots, nonce, roots, baseline_imports=None, released_sources=(), released_files=()):
     """The fingerprints, as JSON. At the baseline (baseline_imports is not None): first import what the
     released cells import (privately), install the guard, and return the released cells' file names and
     the library's folders (`roots`, given back with every later request)."""
