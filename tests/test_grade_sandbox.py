@@ -19,7 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from grade_helpers import REPO_ROOT, leftovers, light_lab, run_grader, statuses, submit, write_lab
+from grade_helpers import (ANSWER, REPO_ROOT, double_solution, leftovers, light_lab, run_grader, statuses, submit,
+                          write_lab)
 from shardlib.course.grading.kernel import Kernel
 from shardlib.course.grading.notebook import code_cells, read_notebook
 from shardlib.course.grading.sandbox import bubblewrap, make_sandbox
@@ -125,6 +126,34 @@ def test_each_way_of_tampering_is_seen_and_a_clean_kernel_is_not_flagged(tmp_pat
     missed = [name for name, found in seen.items() if not found]
     assert not missed, f"tampering not seen: {missed}"
     print("\n".join(f"{name}: {found[0]}" for name, found in seen.items()))
+
+
+@pytest.mark.slow
+def test_torchs_own_rewrapping_of_manual_seed_is_not_tampering_and_a_notebooks_is(tmp_path: Path):
+    """torch._dynamo, imported lazily (by torch.optim, torch.profiler), rebinds torch.manual_seed to its wrapper
+    around the original: a check that seeds sees a library's wrapper closing over what `import torch` gave. The
+    same name bound to the notebook's own wrapper, or to a library's wrapper around another function, is tampering."""
+    checks = ["torch.manual_seed(0)\nassert torch.equal(double(torch.ones(2)), helper(torch.ones(2))), 'double is wrong'"]
+    cells = code_cells(read_notebook(write_lab(tmp_path, double_solution(checks, "import torch\n\n\ndef helper(x):\n"
+                                                                                   "    return x * 2"))))
+    verifier = Verifier(cells)
+    assert "torch.manual_seed" in verifier.chains
+    with tempfile.TemporaryDirectory() as scratch, Kernel(make_sandbox(Path(scratch))) as kernel:
+        def run(source: str, index: int, cell_role: str, status=("ok",)) -> list[str]:
+            assert kernel.run(source, 120).status in status, source
+            return verify(kernel, verifier, index, cell_role, 120)
+
+        take_baseline(kernel, verifier, 300)
+        assert [run(source, index, cell_role, ("ok", "error")) for index, cell_role, source in cells] == [[]] * len(cells)
+        assert run(ANSWER, 99, "answer") == []
+        assert run("import torch._dynamo\nassert torch.manual_seed.__wrapped__", 99, "answer") == []
+        assert run(cells[-1][2], cells[-1][0], "check") == []  # the check passes, seeded through the wrapper
+        seeded = "torch.manual_seed is not what `import torch` gives"
+        _o = "_o = torch.manual_seed\n"
+        found = [run(_o + "import functools\ntorch.manual_seed = functools.wraps(_o)(lambda seed: None)", 99, "answer"),
+                 run("torch.manual_seed = _o", 99, "answer"),
+                 run(_o + "torch.manual_seed = torch.no_grad()(torch.seed)", 99, "answer")]  # a library's, of another
+    assert found == [[seeded], [], [seeded]], found
 
 
 E2E_TAMPERING = {  # graded end to end in the class below: a wrong answer that tampers scores 0 as tampered

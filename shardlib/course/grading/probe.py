@@ -309,6 +309,20 @@ class Fingerprints:
             return value.__wrapped__
         return None
 
+    def decorated(self, value):
+        """What `value` decorates, where it is a library's wrapper closing over it (torch._dynamo, imported lazily
+        by torch.optim or torch.profiler, rebinds torch.manual_seed to such a wrapper), else None."""
+        wrapped = self.wrapped(value) if type(value) is types.FunctionType else None
+        if wrapped is None or not self.origin(value):
+            return None
+        for cell in value.__closure__ or ():
+            try:
+                if cell.cell_contents is wrapped:
+                    return wrapped
+            except ValueError:
+                continue
+        return None
+
     def library(self, filename):
         return type(filename) is str and filename.startswith(self.roots)
 
@@ -410,7 +424,9 @@ class Fingerprints:
                                 bucket[attribute] = line
         for i, cell in enumerate(function.__closure__ or ()):
             try:
-                self.bind("module " + where, f"{text(function.__qualname__)}.<cell {i}>", cell.cell_contents)
+                # keyed by the function too: closures of one name (a decorator's wrapper around many functions)
+                self.bind("module " + where, f"{text(function.__qualname__)}.<cell {i}> of {id(function)}",
+                          cell.cell_contents)
             except ValueError:
                 pass
 
@@ -648,8 +664,6 @@ def _state(chains, data_roots, nonce, roots, baseline_imports=None, released_sou
     if baseline_imports is not None:
         private = {}
         exec(baseline_imports, private)
-        if "torch" in sys.modules:  # torch rebinds torch.manual_seed when torch._dynamo is first imported (lazily,
-            import torch._dynamo  # noqa: F401 - by torch.optim, torch.profiler or shardlib.launch): not tampering
         extra["released files"] = [shell.compile.get_code_name(source, source, 0) for source in released_sources]
         extra["library roots"] = roots = library_roots()
         released_files = extra["released files"]
@@ -663,6 +677,9 @@ def _state(chains, data_roots, nonce, roots, baseline_imports=None, released_sou
         f.out["name " + chain], obj = resolve(f, shell.user_ns, chain)
         if obj is not None:
             f.reach(obj, "")
+            wrapped = f.decorated(obj)
+            if wrapped is not None:
+                f.out["wraps " + chain] = f.fp(wrapped)
     for chain in chains if private is not None else ():
         if chain.split(".")[0] in private:
             f.out["pristine " + chain] = resolve(f, private, chain)[0]
