@@ -133,9 +133,10 @@ def test_torchs_own_rewrapping_of_manual_seed_is_not_tampering_and_a_notebooks_i
     """torch._dynamo, imported lazily (by torch.optim, torch.profiler), rebinds torch.manual_seed to its wrapper
     around the original: a check that seeds sees a library's wrapper closing over what `import torch` gave. The
     same name bound to the notebook's own wrapper, or to a library's wrapper around another function, is tampering."""
-    checks = ["torch.manual_seed(0)\nassert torch.equal(double(torch.ones(2)), helper(torch.ones(2))), 'double is wrong'"]
-    cells = code_cells(read_notebook(write_lab(tmp_path, double_solution(checks, "import torch\n\n\ndef helper(x):\n"
-                                                                                   "    return x * 2"))))
+    checks = ["torch.manual_seed(0)\n"
+              "assert torch.equal(double(torch.ones(2)), helper(torch.ones(2))), 'double is wrong'"]
+    setup = "import torch\n\n\ndef helper(x):\n    return x * 2"
+    cells = code_cells(read_notebook(write_lab(tmp_path, double_solution(checks, setup))))
     verifier = Verifier(cells)
     assert "torch.manual_seed" in verifier.chains
     with tempfile.TemporaryDirectory() as scratch, Kernel(make_sandbox(Path(scratch))) as kernel:
@@ -144,15 +145,17 @@ def test_torchs_own_rewrapping_of_manual_seed_is_not_tampering_and_a_notebooks_i
             return verify(kernel, verifier, index, cell_role, 120)
 
         take_baseline(kernel, verifier, 300)
-        assert [run(source, index, cell_role, ("ok", "error")) for index, cell_role, source in cells] == [[]] * len(cells)
+        as_released = [run(source, index, cell_role, ("ok", "error")) for index, cell_role, source in cells]
+        assert as_released == [[]] * len(cells)
         assert run(ANSWER, 99, "answer") == []
         assert run("import torch._dynamo\nassert torch.manual_seed.__wrapped__", 99, "answer") == []
         assert run(cells[-1][2], cells[-1][0], "check") == []  # the check passes, seeded through the wrapper
         seeded = "torch.manual_seed is not what `import torch` gives"
-        _o = "_o = torch.manual_seed\n"
-        found = [run(_o + "import functools\ntorch.manual_seed = functools.wraps(_o)(lambda seed: None)", 99, "answer"),
+        keep = "_o = torch.manual_seed\n"
+        found = [run(keep + "import functools\ntorch.manual_seed = functools.wraps(_o)(lambda seed: None)", 99,
+                     "answer"),
                  run("torch.manual_seed = _o", 99, "answer"),
-                 run(_o + "torch.manual_seed = torch.no_grad()(torch.seed)", 99, "answer")]  # a library's, of another
+                 run(keep + "torch.manual_seed = torch.no_grad()(torch.seed)", 99, "answer")]  # a library's, of another
     assert found == [[seeded], [], [seeded]], found
 
 

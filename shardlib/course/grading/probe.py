@@ -216,7 +216,8 @@ class Fingerprints:
     def _fp(self, obj):
         t = type(obj)
         if t is types.FunctionType:
-            module_globals, code, defaults, keywords = obj.__globals__, obj.__code__, obj.__defaults__, obj.__kwdefaults__
+            module_globals, code = obj.__globals__, obj.__code__
+            defaults, keywords = obj.__defaults__, obj.__kwdefaults__
             return (f"function {text(dict.get(module_globals, '__name__', '?'))}.{text(obj.__qualname__)} "
                     f"in {text(code.co_filename)} {id(obj)} code {digest(code)} globals {id(module_globals)} "
                     f"defaults {'None' if defaults is None else safe(defaults)} "
