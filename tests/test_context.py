@@ -1,4 +1,5 @@
-"""Context parallelism (shardlib/parallel/context.py, ring_attention.py, ulysses.py, context_gpt.py)
+"""Context parallelism (shardlib/parallel/context.py, ring_attention.py, ulysses.py, allgather_attention.py,
+context_gpt.py)
 against PyTorch's own attention on one device, and its ledger against hand-written formulas."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 import shardlib
 from shardlib.comm import comm_ledger
+from shardlib.parallel.allgather_attention import allgather_attention, allgather_sent_bytes
 from shardlib.memory import saved_activation_bytes
 from shardlib.models import GPTConfig, build_gpt, random_token_batches
 from shardlib.parallel.context import (SequenceLayout, check_context_parallel, ring_attention_sent_bytes,
@@ -54,7 +56,7 @@ def test_too_short_a_sequence_or_heads_that_do_not_split_are_refused_with_what_t
     with pytest.raises(ValueError, match="n_kv_head=2"):
         check_context_parallel(64, 4, "ulysses", n_head=4, n_kv_head=2)
     with pytest.raises(ValueError, match="method"):
-        check_context_parallel(64, 2, "allgather", n_head=4)
+        check_context_parallel(64, 2, "all-gather", n_head=4)
 
 
 def test_merging_two_partial_attentions_equals_attention_on_all_keys():
@@ -97,6 +99,13 @@ def test_formulas_reduce_to_the_papers_for_equal_blocks():
     assert ring_attention_sent_bytes(b, s, h, 1) == ulysses_sent_bytes(b, s, h, h, 1) == (0, 0)
 
 
+def test_allgather_sends_n_minus_one_blocks_each_way_padded_to_the_longest():
+    b, h, e = 2, 16, 2
+    for n in (1, 2, 4):  # even blocks: (N-1)/N of the whole K, V each way (arXiv 2407.21783, Sec. 3.3.2)
+        assert allgather_sent_bytes(b, 64, h, n, element_size=e) == ((n - 1) * 2 * b * (64 // n) * h * e,) * 2
+    assert allgather_sent_bytes(b, 61, h, 4, element_size=e) == (3 * 2 * b * 16 * h * e,) * 2  # blocks 15..16
+
+
 # ---------------------------------------------------------------------------------
 # on ranks
 
@@ -115,8 +124,10 @@ def _attention_vs_sdpa(method, seq_len, zigzag, n_kv, overlap):
     with comm_ledger() as forward:
         if method == "ring":
             out = ring_attention(*mine, layout, group=dist.group.WORLD, overlap=overlap)
-        else:
+        elif method == "ulysses":
             out = ulysses_attention(*mine, layout, group=dist.group.WORLD)
+        else:
+            out = allgather_attention(*mine, layout, group=dist.group.WORLD)
     with comm_ledger() as backward:
         (out * layout.shard(w, rank, dim=2)).sum().backward()
     diffs = [(out - layout.shard(reference, rank, 2)).abs().max().item()]
@@ -125,7 +136,7 @@ def _attention_vs_sdpa(method, seq_len, zigzag, n_kv, overlap):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ring", "ulysses"])
+@pytest.mark.parametrize("method", ["ring", "ulysses", "allgather"])
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("seq_len,zigzag,n_kv", [(64, True, 4), (61, True, 4), (61, False, 2), (9, True, 4)])
 def test_forward_and_backward_equal_sdpa_and_the_ledger_the_formula(method, world_size, seq_len, zigzag, n_kv):
@@ -143,6 +154,12 @@ def test_forward_and_backward_equal_sdpa_and_the_ledger_the_formula(method, worl
                                                  zigzag=zigzag)
             kind = "send"
             calls = (world_size - 1, 2 * world_size - 1)  # K,V blocks forward; K,V and dK,dV backward
+        elif method == "allgather":  # one all-gather of K,V forward, one reduce-scatter of dK,dV backward
+            expected = allgather_sent_bytes(B, seq_len, n_kv * d, world_size, element_size=8, zigzag=zigzag)
+            assert forward.keys() == {"all_gather"} and backward.keys() == {"reduce_scatter"}, (forward, backward)
+            assert (forward["all_gather"]["sent_bytes"], backward["reduce_scatter"]["sent_bytes"]) == expected
+            assert forward["all_gather"]["calls"] == backward["reduce_scatter"]["calls"] == 1
+            continue
         else:
             expected = ulysses_sent_bytes(B, seq_len, h, n_kv * d, world_size, element_size=8, rank=rank,
                                           zigzag=zigzag)
@@ -177,7 +194,7 @@ def _gpt_vs_one_device(method):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ring", "ulysses"])
+@pytest.mark.parametrize("method", ["ring", "ulysses", "allgather"])
 def test_the_gpt_on_a_split_sequence_has_the_loss_and_gradients_of_one_device(method):
     for loss_diff, grad_diff in shardlib.launch(_gpt_vs_one_device, 4, args=(method,), device="cpu"):
         assert loss_diff < 1e-12 and grad_diff < 1e-12, (loss_diff, grad_diff)

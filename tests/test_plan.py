@@ -80,6 +80,7 @@ MEASURED = [
     ("CP ring, 2 ranks", Layout(cp=2, micro_batch=2), 2),
     ("CP ring, 4 ranks", Layout(cp=4, micro_batch=2), 2),
     ("CP Ulysses, 2 ranks", Layout(cp=2, cp_method="ulysses", micro_batch=2), 2),
+    ("CP all-gather, 4 ranks", Layout(cp=4, cp_method="allgather", micro_batch=2), 2),
     ("EP 2", Layout(dp=2, ep=2, micro_batch=2), 4),
     ("EP 2 x DP 2", Layout(dp=4, ep=2, micro_batch=2), 8),
 ]
@@ -198,8 +199,8 @@ def _train_step(fields: dict, global_batch: int) -> dict:
     for record in ledger.records:
         if record.kind in ("send", "recv"):  # point to point: the ring of context parallelism, or the pipeline
             kind = "cp" if lay.cp > 1 else "pp"
-        elif record.kind == "all_to_all":
-            kind = "cp" if lay.cp > 1 else "ep"
+        elif record.kind == "all_to_all" or (lay.cp > 1 and record.kind in ("all_gather", "reduce_scatter")):
+            kind = "cp" if lay.cp > 1 else "ep"  # Ulysses, the all-gather method of context parallelism, or experts
         elif lay.cp > 1 or lay.ep > 1:
             kind = "dp"  # the gradients' all-reduces over the ranks holding the same weights
         else:
@@ -242,7 +243,7 @@ def test_measured_configurations_cover_every_technique():
                       (True, False, True)}, f"missing meshes: {meshes}"
     assert {lay.zero for _, lay, _ in MEASURED if lay.dp > 1} == {0, 1, 2, 3}
     assert any(lay.sequence_parallel for _, lay, _ in MEASURED)
-    assert {lay.cp_method for _, lay, _ in MEASURED if lay.cp > 1} == {"ring", "ulysses"}
+    assert {lay.cp_method for _, lay, _ in MEASURED if lay.cp > 1} == {"ring", "ulysses", "allgather"}
     assert {lay.dp // lay.ep for _, lay, _ in MEASURED if lay.ep > 1} == {1, 2}, "EP alone and EP x DP"
 
 
@@ -272,6 +273,12 @@ def test_context_parallel_bytes_and_memory_by_hand():
     assert full.costs.sent.cp == pytest.approx(L * ((c - 1) * 3 + c) * block)  # + one recomputed forward
     ulysses = predict(spec, cluster, Layout(cp=c, tp=t, cp_method="ulysses", recompute="selective"), 1)
     assert ulysses.costs.sent.cp == pytest.approx(L * 2 * (c - 1) / c * b * (s // c) * 4 * h / t * e)
+    # all-gather (Llama 3, arXiv 2407.21783, Sec. 3.3.2): per layer one all-gather of the c blocks forward and one
+    # reduce-scatter of their gradients backward, (c-1) blocks sent each; the other ranks' c-1 blocks kept
+    gathered = predict(spec, cluster, Layout(cp=c, tp=t, cp_method="allgather", recompute="selective"), 1)
+    assert gathered.costs.sent.cp == pytest.approx(L * 2 * (c - 1) * block)
+    assert gathered.activation_bytes - ring.activation_bytes == pytest.approx(L * (c - 1) * block)
+    assert gathered.costs.time.cp > ring.costs.time.cp, "what the ring hides behind attention, the gather exposes"
     one = predict(spec, Cluster.of(2), Layout(tp=t, recompute="selective"), 1)
     assert ring.activation_bytes - 4 * s // c * b * spec.vocab_size / t == pytest.approx(
         (one.activation_bytes - 4 * s * b * spec.vocab_size / t) / c), "activations / cp"

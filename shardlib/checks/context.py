@@ -1,13 +1,14 @@
-"""Context parallelism checked: `python -m shardlib verify --technique cp-ring|cp-ulysses`.
+"""Context parallelism checked: `python -m shardlib verify --technique cp-ring|cp-ulysses|cp-allgather`.
 
 The course GPT trained with its sequence split over N ranks (shardlib/parallel/context_gpt.py) against
 the same GPT trained on one device, from the same seed on the same batches, within 1e-5 relative
 (harness.compare_run): fp32 losses and first-step gradients, fp64 parameters after 5 AdamW steps
-(why fp64: verify_context_parallel). The sequences have 61 tokens, which
+(why fp64: harness.compare_fp32_and_fp64). The sequences have 61 tokens, which
 no N > 1 divides: the blocks are uneven (zigzag chunks of 15 and 16 tokens at N = 2). The ledger of
 each step is held against the formulas: ring, per layer, (N-1) K,V blocks forward and (N-1) K,V +
-N dK,dV backward, as point-to-point sends; Ulysses, 4 all-to-alls per layer each way; both, one
-all-reduce of the Psi gradients and one of the loss.
+N dK,dV backward, as point-to-point sends; Ulysses, 4 all-to-alls per layer each way; all-gather,
+one all-gather of K,V per layer forward and one reduce-scatter of dK,dV backward, blocks padded to
+the longest (16 tokens); each, one all-reduce of the Psi gradients and one of the loss.
 """
 
 from __future__ import annotations
@@ -15,17 +16,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardlib.checks.harness import (STEPS, adamw, compare_run, cpu_state, launch_on, reference_run, train_steps,
-                                     worst)
+from shardlib.checks.harness import STEPS, adamw, compare_fp32_and_fp64, cpu_state, launch_on, train_steps, worst
 from shardlib.comm import ops
 from shardlib.launch import current_device
 from shardlib.models import GPTConfig, build_gpt, random_token_batches
+from shardlib.parallel.allgather_attention import allgather_sent_bytes
 from shardlib.parallel.context import check_context_parallel, ring_attention_sent_bytes, ulysses_sent_bytes
 from shardlib.parallel.context_gpt import context_parallel_loss, sync_context_parallel_grads
 
 CHECK_GPT = GPTConfig()  # the course's small GPT: V=256, T=64, L=2, 4 heads, h=64
 SEQ_LEN, BATCH = 61, 2  # 61: uneven blocks for every N > 1
-METHODS = {"cp-ring": "ring", "cp-ulysses": "ulysses"}
+METHODS = {"cp-ring": "ring", "cp-ulysses": "ulysses", "cp-allgather": "allgather"}
 
 
 def check_batches(steps: int = STEPS) -> list:
@@ -39,9 +40,12 @@ def expected_sent_bytes(method: str, world_size: int, rank: int) -> dict[str, in
     if method == "ring":
         forward, backward = ring_attention_sent_bytes(BATCH, SEQ_LEN, kv_hidden, world_size, rank=rank)
         attention = {"send": CHECK_GPT.n_layer * (forward + backward)}
-    else:
+    elif method == "ulysses":
         forward, backward = ulysses_sent_bytes(BATCH, SEQ_LEN, h, kv_hidden, world_size, rank=rank)
         attention = {"all_to_all": CHECK_GPT.n_layer * (forward + backward)}
+    else:
+        forward, backward = allgather_sent_bytes(BATCH, SEQ_LEN, kv_hidden, world_size)
+        attention = {"all_gather": CHECK_GPT.n_layer * forward, "reduce_scatter": CHECK_GPT.n_layer * backward}
     ring_all_reduce = lambda nbytes: 2 * (world_size - 1) * nbytes // world_size
     return {**attention, "all_reduce": ring_all_reduce(CHECK_GPT.n_params * 4) + ring_all_reduce(4)}  # grads, loss
 
@@ -85,23 +89,18 @@ def verify_context_parallel(world_size: int, technique: str = "cp-ring", device:
     """N ranks, each holding 1/N of every sequence, vs one device: 5 AdamW steps of the course GPT.
 
     Held at 1e-5 relative: fp32 losses of every step and fp32 gradients of the first step (forward
-    and backward equal to one device), fp64 parameters after the last step. In fp32 the parameters
-    after 5 steps differ by up to 3e-5 relative (measured), even at N = 1 where only the order of
-    attention's sums changes: Adam divides each gradient by its own running size, which turns the
-    rounding of a near-zero gradient element into a visibly different step; in fp64 that is ~1e-13."""
+    and backward equal to one device), fp64 parameters after the last step (harness.compare_fp32_and_fp64
+    says why). In fp32 the parameters differ even at N = 1, where only the order of attention's sums
+    changes."""
     if technique not in METHODS:
         raise ValueError(f"technique must be one of {sorted(METHODS)}, got {technique!r}")
     method = METHODS[technique]
     layout = check_context_parallel(SEQ_LEN, world_size, method, CHECK_GPT.n_head, CHECK_GPT.kv_heads)  # before launching
     batches = check_batches()
     per_rank = launch_on(_train_on_rank, world_size, args=(method, batches), device=device)
-    ref32, ref64 = (reference_run(lambda dtype=dtype: build_gpt(CHECK_GPT, seed=0).to(dtype), batches,
-                                  first_grads=dtype == torch.float32, device=device)
-                    for dtype in (torch.float32, torch.float64))
-    ours32, ours64 = per_rank[0][torch.float32], per_rank[0][torch.float64]
-    losses = compare_run(ours32["grads"], ours32["losses"], ref32["grads"], ref32["losses"])
-    params = compare_run(ours64["state"], ours64["losses"], ref64["state"], ref64["losses"])
-    fp32_params = compare_run(ours32["state"], ours32["losses"], ref32["state"], ref32["losses"])
+    compared = compare_fp32_and_fp64(lambda: build_gpt(CHECK_GPT, seed=0), batches, per_rank[0], device)
+    losses, params, fp32_params = compared["step1"], compared["params"], compared["fp32_params"]
+    ours32 = per_rank[0][torch.float32]
     result = worst([losses, params])
     same_everywhere = all(r[torch.float32]["losses"] == ours32["losses"] for r in per_rank)
     nonzero = lambda sent: {kind: n for kind, n in sent.items() if n}
@@ -118,5 +117,5 @@ def verify_context_parallel(world_size: int, technique: str = "cp-ring", device:
     return result
 
 
-CHECKS = {"cp-ring": (verify_context_parallel, (1, 2, 4)), "cp-ulysses": (verify_context_parallel, (1, 2, 4))}
+CHECKS = {technique: (verify_context_parallel, (1, 2, 4)) for technique in METHODS}
 BENCHMARKS = {}

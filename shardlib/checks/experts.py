@@ -6,8 +6,8 @@ against the same GPT trained on one device from the same seed on the same global
 
 - the routing: every rank's tokens go to the same experts and the same tokens are dropped as on
   one device (first step, every layer);
-- within 1e-5 relative (harness.compare_run): losses, first-step gradients, and parameters after
-  5 AdamW steps;
+- within 1e-5 relative (harness.compare_run): fp32 losses and first-step gradients, fp64 parameters
+  after 5 AdamW steps (why fp64: harness.compare_fp32_and_fp64);
 - the ledger: 2 all-to-alls per MoE layer forward and 2 backward, each sending (N-1)/N of the
   (E, b c, h) expert buffer (expert_parallel_sent_bytes).
 
@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardlib.checks.harness import (STEPS, adamw, compare_run, cpu_state, launch_on, reference_run, train_steps,
-                                     worst)
+from shardlib.checks.harness import STEPS, adamw, compare_fp32_and_fp64, cpu_state, launch_on, train_steps, worst
 from shardlib.comm import ops
 from shardlib.launch import current_device
 from shardlib.mesh import Mesh
@@ -72,10 +71,10 @@ def _kept(model) -> list[torch.Tensor]:
     return [block.mlp.routing.kept.detach().cpu() for block in model.blocks]  # (b, s, k) per layer
 
 
-def _train_on_rank(ep: int, dp: int, batches: list) -> dict:
+def _train(ep: int, dp: int, batches: list, dtype: torch.dtype) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = Mesh((dp, ep), ("dp", "ep"))  # ep fastest: expert-parallel groups are neighbours
-    model = parallelize_gpt_experts(build_gpt(CHECK_GPT, seed=0).to(current_device()), group=mesh.group("ep"))
+    model = parallelize_gpt_experts(build_gpt(CHECK_GPT, seed=0).to(current_device(), dtype), group=mesh.group("ep"))
     optimizer = adamw(model.parameters())
     first = {}
 
@@ -95,31 +94,42 @@ def _train_on_rank(ep: int, dp: int, batches: list) -> dict:
            "kept": first["kept"], "grads": cpu_state(first["grads"]),
            "all_to_all": [(ledger.calls("all_to_all"), ledger.sent_bytes("all_to_all")) for ledger in ledgers]}
     if rank == 0:  # the single-device routing of the first batch
-        reference = build_gpt(CHECK_GPT, seed=0).to(current_device())
+        reference = build_gpt(CHECK_GPT, seed=0).to(current_device(), dtype)
         model_loss(reference, tuple(t.to(current_device()) for t in batches[0]))
         out["reference_kept"] = _kept(reference)
     return out
 
 
+def _train_on_rank(ep: int, dp: int, batches: list) -> dict:
+    """fp32: losses, step-1 gradients, routing and the ledgers; fp64: parameters after the last step."""
+    return {dtype: _train(ep, dp, batches, dtype) for dtype in (torch.float32, torch.float64)}
+
+
 def verify_expert_parallel(world_size: int, technique: str = "ep", device: str = "cpu") -> dict:
-    """Expert parallelism (with data parallelism for ep-dp) vs one device: routing, 5 AdamW steps, ledger."""
+    """Expert parallelism (with data parallelism for ep-dp) vs one device: routing, 5 AdamW steps, ledger.
+
+    Held at 1e-5 relative: fp32 losses of every step and fp32 gradients of the first step, fp64
+    parameters after the last step (harness.compare_fp32_and_fp64 says why). In fp32 the parameters
+    after 5 steps differ by 2e-5 relative at ep-dp N = 2 and 4 (measured; losses within 1e-7):
+    averaging the gradients over the ranks sums them in another order than one device."""
     ep, dp = sizes(technique, world_size)  # before any process starts
     batches = check_batches()
     per_rank = launch_on(_train_on_rank, world_size, args=(ep, dp, batches), device=device)
-    reference = reference_run(lambda: build_gpt(CHECK_GPT, seed=0), batches, first_grads=True, device=device)
-    ours = per_rank[0]
-    result = worst([compare_run(ours["state"], ours["losses"], reference["state"], reference["losses"]),
-                    compare_run(ours["grads"], ours["losses"], reference["grads"], reference["losses"])])
+    compared = compare_fp32_and_fp64(lambda: build_gpt(CHECK_GPT, seed=0), batches, per_rank[0], device)
+    grads, params, fp32_params = compared["step1"], compared["params"], compared["fp32_params"]
+    ours = per_rank[0][torch.float32]
+    result = worst([grads, params])
     reference_kept, b = ours["reference_kept"], BATCH // world_size
     same_routing = all(torch.equal(kept, reference_kept[layer][rank * b:(rank + 1) * b])
-                       for rank, r in enumerate(per_rank) for layer, kept in enumerate(r["kept"]))
+                       for rank, r in enumerate(per_rank) for layer, kept in enumerate(r[torch.float32]["kept"]))
     expected = (4 * CHECK_GPT.n_layer, expected_all_to_all_bytes(world_size, ep))
-    ledger_ok = all(step == expected for r in per_rank for step in r["all_to_all"])
+    ledger_ok = all(step == expected for r in per_rank for step in r[torch.float32]["all_to_all"])
     dropped = 1 - torch.cat([k.flatten() for k in reference_kept]).float().mean().item()
-    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], reference["losses"]))
     result["passed"] = result["passed"] and same_routing and ledger_ok
     result["detail"] = (f"EP {ep} x DP {dp}; routing {'= one device' if same_routing else 'DIFFERS from one device'} "
-                        f"({dropped:.1%} of assignments dropped); loss rel {loss_rel:.1e}; all-to-all "
+                        f"({dropped:.1%} of assignments dropped); fp32 loss rel {grads['loss_rel_diff']:.1e}, step-1 "
+                        f"grads rel {grads['max_rel_diff']:.1e}; fp64 params rel {params['max_rel_diff']:.1e} (fp32 "
+                        f"{fp32_params['max_rel_diff']:.1e}, not held: see docstring); all-to-all "
                         f"{ours['all_to_all'][0][0]} calls, {ours['all_to_all'][0][1]:,} B sent per step"
                         + (" = formula" if ledger_ok else f": LEDGER DIFFERS from the formula {expected}"))
     return result

@@ -1,4 +1,4 @@
-"""Context parallelism: the sequence split over N ranks; ring attention and Ulysses (lesson 11).
+"""Context parallelism: the sequence split over N ranks; ring attention, Ulysses, all-gather (lesson 11).
 
 Every per-token operation of a transformer (embeddings, LayerNorm, the MLP, the loss) needs only its
 own token, so N ranks can each hold s/N of the sequence. Attention is the one place where tokens
@@ -12,6 +12,9 @@ meet; two ways to run it on a split sequence:
   all-to-all turns q, k, v from (s/N tokens, all heads) into (all s tokens, heads/N); attention runs
   on whole sequences of a rank's heads; a fourth all-to-all turns the output back. Needs heads
   divisible by N.
+- all-gather (Llama 3, arXiv 2407.21783, Section 3.3.2; shardlib/parallel/allgather_attention.py):
+  every rank gathers all the K, V blocks, on the critical path, and attends with its own queries;
+  the gradients of K, V are reduce-scattered back. Small with grouped-query attention's few kv heads.
 
 This file: which tokens a rank holds (SequenceLayout) and the costs as formulas. The course GPT on a
 split sequence: shardlib/parallel/context_gpt.py.
@@ -30,6 +33,8 @@ Per rank (N ranks, b batch, s sequence, h hidden, h_kv = kv heads * head size, e
                        backward (N-1) K,V + N dK,dV blocks = (2N-1)/N * 2 b s h_kv e sent
     Ulysses, per layer: forward 4 all-to-alls (q, k, v, out), each sending (N-1)/N of the local
                        activation b (s/N) h (k and v: h_kv); backward the same 4 reversed
+    all-gather, per layer: forward one all-gather of K,V  = (N-1)/N * 2 b s h_kv e sent (even blocks)
+                       backward one reduce-scatter of dK,dV, the same; the gathered K,V kept (N x ring's)
 """
 
 from __future__ import annotations
@@ -37,11 +42,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["SequenceLayout", "check_context_parallel", "METHODS", "ring_attention_sent_bytes", "ulysses_sent_bytes",
            "context_parallel_activation_bytes_per_layer"]
 
-METHODS = ("ring", "ulysses")
+METHODS = ("ring", "ulysses", "allgather")
 
 
 # ---------------------------------------------------------------------------------
@@ -85,6 +91,30 @@ class SequenceLayout:
     def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
         """Rank's tokens of x along `dim`: (B, s, ...) -> (B, s_r, ...)."""
         return x.index_select(dim, self.positions(rank).to(x.device))
+
+    def order(self) -> torch.Tensor:
+        """The global position of each token when the ranks' blocks are stacked in rank order: (s,)."""
+        return torch.cat([self.positions(r) for r in range(self.world_size)])
+
+    def check_group(self, group) -> None:
+        """A ValueError unless `group` has the layout's world_size ranks."""
+        if dist.get_world_size(group) != self.world_size:
+            raise ValueError(f"layout for {self.world_size} ranks used on a group of {dist.get_world_size(group)}")
+
+
+class LayoutCollective(torch.autograd.Function):
+    """A collective over a sequence layout whose backward is another one: forward `there(x, layout,
+    group)`, backward `back(grad, layout, group)` (an all-to-all and its inverse, an all-gather and
+    its reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, layout: SequenceLayout, group, there, back):
+        ctx.layout, ctx.group, ctx.back = layout, group, back
+        return there(x, layout, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.back(grad.contiguous(), ctx.layout, ctx.group), None, None, None, None
 
 
 def check_context_parallel(seq_len: int, world_size: int, method: str, n_head: int, n_kv_head: int | None = None,

@@ -1,10 +1,11 @@
 """The course GPT on a sequence split over N ranks: context parallelism end to end (lesson 11).
 
 Every per-token operation (embeddings, LayerNorm, the MLP, the output head, the loss) runs on the
-rank's own s/N tokens; attention runs as ring attention (shardlib/parallel/ring_attention.py) or
-Ulysses (shardlib/parallel/ulysses.py). The weights are replicated and each rank's gradients cover
-its tokens only, so they are summed over the group once per step (one all-reduce of Psi values,
-as data parallelism does). Costs: shardlib/parallel/context.py.
+rank's own s/N tokens; attention runs as ring attention (shardlib/parallel/ring_attention.py),
+Ulysses (shardlib/parallel/ulysses.py) or all-gather (shardlib/parallel/allgather_attention.py).
+The weights are replicated and each rank's gradients cover its tokens only, so they are summed
+over the group once per step (one all-reduce of Psi values, as data parallelism does). Costs:
+shardlib/parallel/context.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardlib.comm import ops
+from shardlib.parallel.allgather_attention import allgather_attention
 from shardlib.parallel.context import METHODS, SequenceLayout, check_context_parallel
 from shardlib.parallel.ring_attention import ring_attention
 from shardlib.parallel.ulysses import ulysses_attention
@@ -34,6 +36,8 @@ def context_parallel_attention(attn, x, layout: SequenceLayout, *, group, method
         y = ring_attention(q, k, v, layout, group=group, overlap=overlap)
     elif method == "ulysses":
         y = ulysses_attention(q, k, v, layout, group=group)
+    elif method == "allgather":
+        y = allgather_attention(q, k, v, layout, group=group)
     else:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     return attn.o_proj(y.transpose(1, 2).reshape(B, s_r, -1))  # (B, s_r, C)

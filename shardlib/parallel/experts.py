@@ -81,7 +81,7 @@ def expert_capacity(seq_len: int, n_experts: int, top_k: int, capacity_factor: f
 def route(logits: torch.Tensor, top_k: int, capacity_factor: float) -> Routing:
     """logits: (B, s, E) -> the routing, with places given first choices first, each in token order."""
     B, s, E = logits.shape
-    probs = logits.float().softmax(-1).to(logits.dtype)  # (B, s, E)
+    probs = logits.softmax(-1, dtype=torch.promote_types(logits.dtype, torch.float32)).to(logits.dtype)  # (B, s, E)
     top_probs, experts = probs.topk(top_k, dim=-1)  # (B, s, k)
     gates = top_probs if top_k == 1 else top_probs / top_probs.sum(-1, keepdim=True)
     capacity = expert_capacity(s, E, top_k, capacity_factor)

@@ -217,6 +217,5 @@ def _sum_kv_groups(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
 def ring_attention(q, k, v, layout: SequenceLayout, *, group, overlap: bool = True, timeline: list | None = None):
     """Causal attention of this rank's tokens on the whole sequence, K,V blocks passed around the ring.
     q: (B, nh, s_r, d), k, v: (B, n_kv, s_r, d), tokens at layout.positions(rank) -> (B, nh, s_r, d)."""
-    if dist.get_world_size(group) != layout.world_size:
-        raise ValueError(f"layout for {layout.world_size} ranks used on a group of {dist.get_world_size(group)}")
+    layout.check_group(group)
     return _RingAttention.apply(q, k, v, layout, group, overlap, timeline)

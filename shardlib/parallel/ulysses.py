@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardlib.comm import ops
-from shardlib.parallel.context import SequenceLayout
+from shardlib.parallel.context import LayoutCollective, SequenceLayout
 
 __all__ = ["ulysses_attention"]
 
@@ -50,39 +50,17 @@ def _heads_to_seq(x: torch.Tensor, layout: SequenceLayout, group) -> torch.Tenso
     return received.view(n, B, h_n, lengths[me], d).transpose(0, 1).reshape(B, n * h_n, lengths[me], d)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, layout, group):
-        ctx.layout, ctx.group = layout, group
-        return _seq_to_heads(x, layout, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), ctx.layout, ctx.group), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, layout, group):
-        ctx.layout, ctx.group = layout, group
-        return _heads_to_seq(x, layout, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), ctx.layout, ctx.group), None, None
-
-
 def ulysses_attention(q, k, v, layout: SequenceLayout, *, group):
     """Causal attention by head groups: 3 all-to-alls in, attention on all s tokens of H/N heads, 1 out.
     q: (B, nh, s_r, d), k, v: (B, n_kv, s_r, d) at layout.positions(rank) -> (B, nh, s_r, d)."""
-    if dist.get_world_size(group) != layout.world_size:
-        raise ValueError(f"layout for {layout.world_size} ranks used on a group of {dist.get_world_size(group)}")
+    layout.check_group(group)
     if q.shape[1] % layout.world_size or k.shape[1] % layout.world_size:
         raise ValueError(f"Ulysses splits heads over N={layout.world_size} ranks: {q.shape[1]} query and {k.shape[1]} "
                          "key/value heads must both be divisible by N; use ring attention, or N dividing both")
-    order = torch.cat([layout.positions(r) for r in range(layout.world_size)]).to(q.device)  # layout -> global
+    order = layout.order().to(q.device)  # layout -> global
     natural = torch.argsort(order)
-    q, k, v = (_SeqToHeads.apply(t.contiguous(), layout, group).index_select(2, natural)
-               for t in (q, k, v))  # (B, heads/N, s, d), positions 0..s-1
+    to_heads = lambda t: LayoutCollective.apply(t.contiguous(), layout, group, _seq_to_heads, _heads_to_seq)
+    q, k, v = (to_heads(t).index_select(2, natural) for t in (q, k, v))  # (B, heads/N, s, d), positions 0..s-1
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-    return _HeadsToSeq.apply(y.index_select(2, order).contiguous(), layout, group)  # (B, nh, s_r, d)
+    y = y.index_select(2, order).contiguous()  # (B, heads/N, s, d) in layout order
+    return LayoutCollective.apply(y, layout, group, _heads_to_seq, _seq_to_heads)  # (B, nh, s_r, d)

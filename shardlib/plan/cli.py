@@ -79,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     layout.add_argument("--sequence-parallel", choices=("yes", "no"), help="with tp > 1 (default: try both)")
     layout.add_argument("--tp-overlap", choices=("yes", "no"), help="TP collectives overlapped with the products, with "
                         "sequence parallelism (default: try both)")
-    layout.add_argument("--cp-method", nargs="+", choices=CP_METHODS, help="context parallelism: ring, ulysses")
+    layout.add_argument("--cp-method", nargs="+", choices=CP_METHODS,
+                        help="context parallelism: ring, ulysses, allgather (a search tries ring and ulysses)")
     layout.add_argument("--offload", action="store_true", help="optimizer states on the CPU (a search tries both)")
     layout.add_argument("--max-tp", type=int, help="search: largest tensor-parallel size")
     layout.add_argument("--max-pp", type=int, help="search: most pipeline stages")

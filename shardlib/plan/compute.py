@@ -110,4 +110,6 @@ def layer_activations(spec, c, mode: int, flash: bool):
         return 2.0 * sbh / torch.where(sp > 0, t, 1.0)  # the layer's input
     outside, inside, scores = spec.activation_terms()
     kept_scores = scores * spec.n_head * spec.seq_len / spec.hidden if mode == 0 and not flash else 0.0
-    return torch.where(sp > 0, outside / t, outside) * sbh + (inside + kept_scores) * sbh / t
+    # all-gather context parallelism: attention keeps the gathered K, V of the other cp - 1 ranks too (2 + 2 h_kv / h)
+    gathered_kv = (c.cp_method == 2) * (c.cp - 1) * 4 * spec.kv_heads / spec.n_head
+    return torch.where(sp > 0, outside / t, outside) * sbh + (inside + kept_scores + gathered_kv) * sbh / t

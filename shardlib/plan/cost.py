@@ -43,7 +43,9 @@ micro-batch (forward + backward + exposed TP, CP, EP) on the slowest stage:
   CP            ring attention: each layer forward sends the local K, V block c-1 times (arXiv 2310.01889),
                 backward K, V again (c-1) and dK, dV round the whole ring (c); hidden behind the attention
                 core by the overlap rule. Ulysses: 4 all-to-alls per pass of (c-1)/c of q, k, v, out
-                (arXiv 2309.14509), on the critical path.
+                (arXiv 2309.14509), on the critical path. All-gather (Llama 3, arXiv 2407.21783, Sec. 3.3.2):
+                per layer an all-gather of the c K, V blocks each forward and a reduce-scatter of dK, dV in
+                backward, on the critical path; the other ranks' c-1 blocks kept among the activations.
   EP            2 all-to-alls per MoE layer forward, 2 backward, of the (E, b C, h) expert buffer (GShard,
                 arXiv 2006.16668), on the critical path.
   bubble        (p-1)/v micro-batch times: the idle fraction (p-1)/(v m) of interleaved 1F1B (arXiv 2104.04473).
@@ -119,7 +121,7 @@ class Layouts(_Columns):
     micro_batch: torch.Tensor
     recompute: torch.Tensor
     sp: torch.Tensor
-    ulysses: torch.Tensor
+    cp_method: torch.Tensor  # 0 ring, 1 ulysses, 2 allgather (inputs.CP_METHODS)
     virtual: torch.Tensor
     offload: torch.Tensor
     tp_overlap: torch.Tensor

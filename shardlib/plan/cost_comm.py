@@ -98,20 +98,26 @@ def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, d
 
     # -- context parallelism ---------------------------------------------------------------------
     kv = tokens * 2 * spec.hidden * spec.kv_heads / spec.n_head / t * e  # this rank's K and V block
-    ulysses = c.ulysses > 0
+    ring, ulysses, gathered = c.cp_method == 0, c.cp_method == 1, c.cp_method == 2  # inputs.CP_METHODS
     forward_blocks, backward_blocks = cp - 1, (cp - 1) + cp * (cp > 1)
     block_s = alpha + kv / cp_ring.bandwidth
     ring_fwd = layers * forward_blocks * block_s
     ring_bwd = layers * backward_blocks * block_s
     ring_s = (exposed(ring_fwd, layers * one["attn_fwd"]) * (1 + full)
               + exposed(ring_bwd, layers * one["attn_bwd"]))
-    ring_busy = torch.minimum(ring_fwd, layers * one["attn_fwd"])
+    ring_busy = torch.where(ring, torch.minimum(ring_fwd, layers * one["attn_fwd"]), 0.0)
     a2a = tokens * (2 * spec.hidden + 2 * spec.hidden * spec.kv_heads / spec.n_head) / t * e / 4
     a2a_calls = layers * 4 * (2 + full)  # 4 all-to-alls per pass, a quarter of q, k, v, out each on average
-    out.append(Collective("cp", "send", kv, torch.where(ulysses, 0.0, m * layers * (
-        forward_blocks * (1 + full) + backward_blocks))))
+    out.append(Collective("cp", "send", kv, torch.where(ring, m * layers * (
+        forward_blocks * (1 + full) + backward_blocks), 0.0)))
     out.append(Collective("cp", "all_to_all", a2a, torch.where(ulysses, m * a2a_calls, 0.0), cp_ring))
-    cp_s = torch.where(ulysses, a2a_calls * cp_ring.time("all_to_all", a2a), ring_s)
+    # all-gather (Llama 3's, arXiv 2407.21783, Sec. 3.3.2; shardlib/parallel/allgather_attention.py): every rank's
+    # K, V block gathered before attention, dK, dV reduce-scattered after its backward, both on the critical path
+    gather_calls = layers * (1 + full)
+    out.append(Collective("cp", "all_gather", kv * cp, torch.where(gathered, m * gather_calls, 0.0), cp_ring))
+    out.append(Collective("cp", "reduce_scatter", kv * cp, torch.where(gathered, m * layers, 0.0), cp_ring))
+    gather_s = gather_calls * cp_ring.time("all_gather", kv * cp) + layers * cp_ring.time("reduce_scatter", kv * cp)
+    cp_s = torch.where(ulysses, a2a_calls * cp_ring.time("all_to_all", a2a), torch.where(gathered, gather_s, ring_s))
 
     # -- expert parallelism ------------------------------------------------------------------------
     places = spec.n_experts * torch.ceil(spec.capacity_factor * spec.top_k * (spec.seq_len / cp)

@@ -16,7 +16,8 @@ from shardlib.plan.model import PRESETS, ModelSpec, count_text, load_model  # no
 GiB = 2**30
 A100_MATMUL = 267.9  # TFLOP/s, the measured bf16 matmul maximum of an A100 SXM (shardlib/plan/gemm.py)
 RECOMPUTE = (None, "selective", "full")
-CP_METHODS = ("ring", "ulysses")
+CP_METHODS = ("ring", "ulysses", "allgather")
+CP_SUFFIX = dict(ring="", ulysses="u", allgather="g")  # how a layout's name shows its method
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,8 @@ class Layout:
     """One way to run the job. micro_batch: sequences per forward on one GPU.
 
     cp: context-parallel size (each rank keeps s/cp of every sequence), by ring attention
-    (arXiv 2310.01889) or Ulysses all-to-alls (arXiv 2309.14509); ep: expert-parallel size, inside
+    (arXiv 2310.01889), Ulysses all-to-alls (arXiv 2309.14509) or an all-gather of K, V (Llama 3, arXiv
+    2407.21783, Sec. 3.3.2: cp_method "allgather", its transfers on the critical path); ep: expert-parallel size, inside
     the data-parallel group (each rank keeps E/ep experts; GShard, arXiv 2006.16668);
     virtual_stages: v chunks of layers per pipeline rank, the interleaved 1F1B schedule
     (arXiv 2104.04473); offload: optimizer states and step on the CPU (ZeRO-Offload, arXiv 2101.06840);
@@ -117,7 +119,7 @@ class Layout:
     recompute: str | None = None  # None, "selective" or "full"
     sequence_parallel: bool = False
     cp: int = 1
-    cp_method: str = "ring"  # "ring" or "ulysses"
+    cp_method: str = "ring"  # "ring", "ulysses" or "allgather"
     ep: int = 1
     virtual_stages: int = 1
     offload: bool = False
@@ -139,7 +141,7 @@ class Layout:
 
     def __str__(self) -> str:
         sp = ("+sp" if self.sequence_parallel else "") + ("+overlap" if self.tp_overlap else "")
-        cp = f" cp{self.cp}{'u' if self.cp_method == 'ulysses' else ''}" if self.cp > 1 else ""
+        cp = f" cp{self.cp}{CP_SUFFIX[self.cp_method]}" if self.cp > 1 else ""
         ep = f" ep{self.ep}" if self.ep > 1 else ""
         v = f"v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         offload = " offload" if self.offload else ""

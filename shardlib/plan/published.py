@@ -35,7 +35,7 @@ held_out_runs()
   between them), t 8, c 1 or 16, p 16, 2,048 (or 128) sequences per batch; BF16 MFU 43%, 41%, 38% of 989
   TFLOP/s, model FLOPs read as 6 Psi + 12 L s h per token; no activation checkpointing at 8k (Sec. 3.3.2),
   FlashAttention; FSDP sharding the optimizer states and gradients (ZeRO-2 inside the pipeline: marked, see
-  Layout.caveats). Not published: the micro-batch (1 assumed) and the virtual stages (8: Sec. 3.3.2 has the
+  Layout.caveats); context parallelism by all-gathering K and V (Sec. 3.3.2), the only kind its search tries. Not published: the micro-batch (1 assumed) and the virtual stages (8: Sec. 3.3.2 has the
   first chunk of the first stage hold only the embedding, chunks of one layer). At 131k tokens the step time
   is not derived (how the MFU counts causal attention changes it 1.4 x): memory only.
 - Nemotron-4 340B, arXiv 2406.11704, Table 2 (quoted at https://aiportalx.com/nvidia/nemotron-4-340b): the
@@ -151,8 +151,9 @@ SOFTWARE = {
     "megatron-core-2024": dict(zero_stages=(0, 1)),
     # Llama 3's 4D parallelism (arXiv 2407.21783, Sec. 3.3.2) describes no overlap of TP communication, and its
     # data parallelism is FSDP, whose sharding strategies are ZeRO-3, ZeRO-2 or none (torch.distributed.fsdp.
-    # ShardingStrategy: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD and their hybrids): no optimizer-only ZeRO-1
-    "llama3": dict(tp_overlap=(False,), zero_stages=(0, 2, 3)),
+    # ShardingStrategy: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD and their hybrids): no optimizer-only ZeRO-1; its context
+    # parallelism all-gathers K and V ("the all-gather communication latency is exposed in the critical path")
+    "llama3": dict(tp_overlap=(False,), zero_stages=(0, 2, 3), cp_methods=("allgather",)),
 }
 # the same in January 2021, before the interleaved schedule and the scatter/gather of pipeline messages: both
 # reached the repository's main branch on 2021-02-16/17 (commits 72e4230 "Turn scatter-gather optimization on
@@ -275,7 +276,8 @@ def _llama3(n_gpus: int, cp: int, mfu: float) -> PublishedRun:
     spec = replace(ModelSpec.preset("llama3-405b"), seq_len=seq, name=f"llama3-405b, {seq // 1024}k context")
     dp = n_gpus // (8 * cp * 16)
     batch = dp * (16 if n_gpus > 8192 else 32)  # Table 4's batch size per DP rank
-    layout = Layout(dp=dp, tp=8, pp=16, cp=cp, zero=2, sequence_parallel=True, virtual_stages=8)
+    layout = Layout(dp=dp, tp=8, pp=16, cp=cp, zero=2, sequence_parallel=True, virtual_stages=8,
+                    cp_method="allgather" if cp > 1 else "ring")
     model_flops = (6 * spec.matmul_params() + 12 * spec.n_layer * seq * spec.hidden) * batch * seq
     # At 131k tokens the attention term 12 L s h is 1.3 x 6 Psi: whether the MFU counts it whole or causal (half)
     # changes the step time it implies 1.4 x, and the paper does not say: no step time is derived there.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, fields
 
-from shardlib.plan.inputs import RECOMPUTE, Cluster, GiB, Layout
+from shardlib.plan.inputs import CP_SUFFIX, RECOMPUTE, Cluster, GiB, Layout
 
 LEGEND = (
     ("dp, cp, tp", "data-, context- (u: Ulysses, else ring attention) and tensor-parallel sizes"),
@@ -41,7 +41,10 @@ ASSUMPTIONS = {
     "elementwise": "memory-bound kernels at the fitted fraction of HBM bandwidth",
     "tp": "tensor-parallel all-reduces on the critical path at the fitted fraction of the link bandwidth (hidden "
           "only with tp_overlap, by the overlap rule)",
-    "cp": "ring-attention blocks hidden behind attention by the overlap rule (kappa = 18.9%, links.py)",
+    "cp": "ring-attention blocks hidden behind attention by the overlap rule (kappa = 18.9%, links.py); Ulysses' "
+          "all-to-alls and the all-gather method's K, V gathers on the critical path",
+    "stage balance": "the slowest pipeline stage sets the pace: its share of the layers, and on the last stage the "
+                     "output layer and the loss over the whole vocabulary (cost.py, Stages); per GPU the same products",
     "ep": "expert all-to-alls on the critical path",
     "bubble": "the 1F1B bubble: (p - 1) / v micro-batch times of idle per step",
     "pp": "pipeline sends on the critical path",
@@ -109,7 +112,7 @@ def format_table(estimates: list, cluster: Cluster) -> str:
              f"{'DP s':>7} {'MFU':>5}"]
     for i, e in enumerate(estimates, 1):
         lay, time = e.layout, e.costs.time
-        cp = f"{lay.cp}{'u' if lay.cp_method == 'ulysses' else ''}"
+        cp = f"{lay.cp}{CP_SUFFIX[lay.cp_method]}"
         pp = f"{lay.pp}" + (f"x{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
         comm = time.tp + time.cp + time.ep + time.pp + time.offload
         sp = "o" if lay.tp_overlap else "y" if lay.sequence_parallel else "-"
@@ -132,9 +135,17 @@ def deciding(best, other, cluster: Cluster) -> dict:
     if name == "compute" and _recomputes(other.layout) > _recomputes(best.layout):  # the products it runs again
         name, label = "recompute", f"compute ({other.layout.recompute or 'no'} recomputation against "\
                                    f"{best.layout.recompute or 'none'})"
+    elif name == "compute" and _products(other.layout) == _products(best.layout):  # the same shapes: another split
+        name, label = "stage balance", f"compute (the slowest of {other.layout.pp} stages against " \
+                                       f"{best.layout.pp})"
     gap = other.step_s - best.step_s
     return dict(field=name, label=label, seconds=most, gap=gap, single=most >= gap and gap > 0,
                 assumption=ASSUMPTIONS[name])
+
+
+def _products(lay: Layout) -> tuple:
+    """What sets the shapes and the count of one GPU's products per micro-batch but the layers of its stage."""
+    return lay.tp, lay.cp, lay.ep, lay.micro_batch, _recomputes(lay)
 
 
 def _recomputes(lay: Layout) -> int:

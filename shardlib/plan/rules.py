@@ -66,8 +66,8 @@ def check_layout(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch
         problems.append(f"zero must be 0..3, recompute one of {RECOMPUTE}, cp_method one of {CP_METHODS}")
     if lay.sequence_parallel and t > 1 and (spec.seq_len // c) % t:
         problems.append(f"sequence parallelism needs tp={t} to divide the {spec.seq_len // c} tokens per rank")
-    if c > 1 and lay.cp_method == "ring" and spec.seq_len % (2 * c):
-        problems.append(f"ring attention splits each sequence in 2*cp = {2 * c} chunks (load balance): "
+    if c > 1 and lay.cp_method in ("ring", "allgather") and spec.seq_len % (2 * c):
+        problems.append(f"{lay.cp_method} attention splits each sequence in 2*cp = {2 * c} chunks (load balance): "
                         f"the sequence length {spec.seq_len} must be a multiple of it")
     if c > 1 and lay.cp_method == "ulysses" and ((spec.n_head // t) % c or (spec.kv_heads // t) % c):
         problems.append(f"Ulysses gives each of cp={c} ranks whole heads: cp must divide the {spec.n_head // t} "
