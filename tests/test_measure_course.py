@@ -67,6 +67,25 @@ def test_the_table_records_the_load(monkeypatch):
     assert "| load (start, peak) |" in text and "| 0.31, 1.80 | completed |" in text, text
 
 
+def test_a_partial_run_replaces_its_rows_and_keeps_the_others(monkeypatch, tmp_path):
+    monkeypatch.setattr(measure_course, "tree_bytes", lambda *args, **kwargs: 0)
+    row = lambda name, seconds, mib: {"notebook": name, "seconds": seconds, "peak_memory_bytes": mib * 2 ** 20,  # noqa
+                                      "disk_bytes": 3 * 2 ** 10, "load_start": 0.5, "load_peak": 1.25,
+                                      "outcome": "completed"}
+    first = [row("notebooks/00_memory_wall.ipynb", 15, 100), row("notebooks/06_hybrid_and_planning.ipynb", 57, 200),
+             row("solutions/06_plan_a_job.ipynb", 10, 300)]
+    guide = tmp_path / "GUIDE.md"
+    begin, end = measure_course.MARKERS
+    guide.write_text(f"intro\n{begin}\n{measure_course.table(first)}\n{end}\nafter\n", encoding="utf-8")
+    assert measure_course.rows_in(guide) == first, "the table reads back as it was written"
+    again = [row("notebooks/06_hybrid_and_planning.ipynb", 60, 400)]
+    measure_course.write_into(guide, measure_course.table(measure_course.merged(measure_course.rows_in(guide), again)))
+    assert [r["notebook"] for r in measure_course.rows_in(guide)] == [r["notebook"] for r in first]
+    assert measure_course.rows_in(guide)[1] == again[0] and measure_course.rows_in(guide)[2] == first[2]
+    text = guide.read_text(encoding="utf-8")
+    assert text.startswith("intro\n") and text.endswith("after\n") and "| 1 min | 400 MiB (largest) | 9 KiB |" in text
+
+
 def tiny_notebook(path, cells):
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
     notebook.metadata = {"kernelspec": {"name": "python3", "display_name": "Course", "language": "python"},

@@ -28,7 +28,8 @@ recorded (in the table and the JSON).
     disk          bytes the run leaves in the course folder (files created or changed under it), plus
                   the most its temporary folder (TMPDIR, a fresh one per notebook) held at any sample
 
-The table goes between the two MARKERS lines of the guide; the rest of the guide is left alone.
+The table goes between the two MARKERS lines of the guide; the rest of the guide is left alone. A run of
+some notebooks only (names given) replaces their rows and keeps the guide's other rows, as measured before.
 """
 
 from __future__ import annotations
@@ -220,6 +221,36 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _bytes(text: str) -> int:
+    number, unit = text.split()
+    return int(float(number.replace(",", "")) * {"MiB": 2 ** 20, "KiB": 2 ** 10}[unit])
+
+
+def rows_in(guide: Path) -> list[dict]:
+    """The rows of the table already between the guide's markers (none when it has no table)."""
+    content = guide.read_text(encoding="utf-8")
+    begin, end = MARKERS
+    if begin not in content:
+        return []
+    rows = []
+    for line in content.split(begin, 1)[1].split(end, 1)[0].splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) != 6 or not cells[0].startswith("`"):
+            continue  # the header, its rule, the total
+        start, peak = (float(x) for x in cells[4].split(","))
+        rows.append({"notebook": cells[0].strip("`"), "seconds": float(cells[1].split()[0]),
+                     "peak_memory_bytes": _bytes(cells[2]), "disk_bytes": _bytes(cells[3]), "load_start": start,
+                     "load_peak": peak, "outcome": cells[5]})
+    return rows
+
+
+def merged(before: list[dict], measured: list[dict]) -> list[dict]:
+    """The guide's rows with those measured now in their place, in the course's order (lessons, then labs)."""
+    by_name = {row["notebook"]: row for row in before} | {row["notebook"]: row for row in measured}
+    order = [str(path.relative_to(ROOT)) for path in notebooks([])]
+    return sorted(by_name.values(), key=lambda r: order.index(r["notebook"]) if r["notebook"] in order else len(order))
+
+
 def write_into(guide: Path, text: str) -> None:
     content = guide.read_text(encoding="utf-8")
     begin, end = MARKERS
@@ -258,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     if args.write:
-        write_into(Path(args.write), text)
+        keep = rows_in(Path(args.write)) if args.names else []
+        write_into(Path(args.write), table(merged(keep, rows)) if keep else text)
     return 0 if all(row["outcome"] == "completed" for row in rows) else 1
 
 

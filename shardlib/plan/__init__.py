@@ -25,10 +25,10 @@ from shardlib.plan.cost import Costs, Memory, StepTime, Traffic
 from shardlib.plan.inference import InferenceEstimate, inference_table, predict_inference
 from shardlib.plan.inputs import GPUS, PRESETS, Cluster, GiB, Layout, ModelSpec, count_text, load_model
 from shardlib.plan.ledger import per_gpu
-from shardlib.plan.planner import Estimate, NoLayoutFits, Plan, candidate_layouts, check_layout, plan, predict
+from shardlib.plan.planner import HEADROOM, Estimate, NoLayoutFits, Plan, candidate_layouts, check_layout, plan, predict
 from shardlib.plan.report import LEGEND, breakdown, explain, format_table, legend
 
-__all__ = ["GPUS", "PRESETS", "Cluster", "GiB", "Layout", "ModelSpec", "load_model", "Estimate", "NoLayoutFits",
+__all__ = ["HEADROOM", "GPUS", "PRESETS", "Cluster", "GiB", "Layout", "ModelSpec", "load_model", "Estimate", "NoLayoutFits",
            "Plan", "Costs", "Memory", "StepTime", "Traffic", "candidate_layouts", "check_layout", "count_text", "plan",
            "predict", "per_gpu", "breakdown", "explain", "format_table", "legend", "LEGEND", "main",
            "InferenceEstimate", "inference_table", "predict_inference"]

@@ -20,7 +20,7 @@ from dataclasses import asdict
 from shardlib import memory
 from shardlib.plan.inference import GPU_SIZES_GIB, format_inference_table, inference_table, predict_inference
 from shardlib.plan.inputs import CP_METHODS, GPUS, PRESETS, Cluster, Layout, count_text, load_model
-from shardlib.plan.planner import NoLayoutFits, plan, predict
+from shardlib.plan.planner import HEADROOM, NoLayoutFits, plan, predict
 from shardlib.plan.report import as_dict, breakdown, legend
 
 RECOMPUTE_NAMES = {"none": None, "selective": "selective", "full": "full"}
@@ -66,7 +66,11 @@ def _parser() -> argparse.ArgumentParser:
                      "overlapped with compute by the rule of shardlib/plan/links.py)")
     job.add_argument("--attention", default="flash", choices=("flash", "unfused"), help="FlashAttention (default) "
                      "or the scores written out")
-    job.add_argument("--reserve-gib", type=float, default=0.0, help="GiB per GPU kept free (context, fragmentation)")
+    job.add_argument("--reserve-gib", type=float, default=0.0, help="GiB per GPU kept free beyond the estimate "
+                     "(which counts the CUDA context and NCCL's buffers)")
+    job.add_argument("--headroom", type=float, default=HEADROOM, help="share of the rest a recommended layout leaves "
+                     f"free (default {HEADROOM}: no out-of-memory error below 80%% of the GPU in arXiv 2411.06465's "
+                     "454 runs); layouts that fit only in it are ranked after the others, marked !")
 
     layout = parser.add_argument_group("layout: fixes these sizes in a search, or gives the layout with --evaluate")
     for name, what in (("dp", "data-parallel"), ("tp", "tensor-parallel"), ("pp", "pipeline stages"),
@@ -187,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             return _inference(args, spec)
         cluster = _cluster(args)
         options = dict(recipe=args.recipe, efficiency=args.efficiency, overlap=not args.no_overlap,
-                       attention=args.attention, reserve_gib=args.reserve_gib)
+                       attention=args.attention, reserve_gib=args.reserve_gib, headroom=args.headroom)
         if args.evaluate:
             estimate = predict(spec, cluster, _layout(args, cluster.n_gpus), args.global_batch, **options)
             print(json.dumps({"model": spec.name, "cluster": asdict(cluster), "global_batch": args.global_batch,
@@ -203,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"model": spec.name, "cluster": asdict(cluster), "global_batch": args.global_batch,
                           "layouts": len(result.ranked) + len(result.rejected), "fit": len(result.ranked),
+                          "leave_headroom": result.n_roomy,
                           "ranked": [as_dict(e) for e in result.ranked[:args.top]]}, indent=1))
         return 0
     print(f"{_model_line(spec, args)}; global batch {args.global_batch} sequences; {cluster.n_nodes} node(s) x "

@@ -26,6 +26,12 @@ Memory of a GPU of stage k:
                 parallelism), and the loss's fp32 softmax, 4 s b V / t; under full recomputation the larger of that
                 and the layer being recomputed (the loss's backward frees the first before the second exists).
   buffers       ZeRO-3 gathers the 16-bit parameters of at most two layers at a time (FSDP's rate limiter).
+  runtime       what no tensor of the model holds: the CUDA context and libraries' workspaces, 0.5 GiB, and each
+                NCCL communicator the GPU joins (tensor, context, expert, data-parallel, pipeline, tied-embedding
+                groups larger than one), 0.5 GiB each: Fujii, Watanabe and Yokota's estimator (arXiv 2411.06465;
+                https://okoge-kaz.github.io/tools/memory-estimator: "CUDA context ~300-500 MB", "~0.5 GB per
+                communicator"). Allocator fragmentation is not counted: the same paper finds no out-of-memory
+                error below 80% of the GPU by its estimate, so the last fifth of a GPU is a risk the tables show.
 
 Seconds per step = m T + (p-1)/v T + PP sends + exposed DP + optimizer step + offload, T the time of one
 micro-batch (forward + backward + exposed TP, CP, EP) on the slowest stage:
@@ -141,6 +147,7 @@ class Memory(_Columns):
     optimizer: torch.Tensor
     activations: torch.Tensor
     buffers: torch.Tensor
+    runtime: torch.Tensor
     host: torch.Tensor
 
     @property
@@ -149,7 +156,7 @@ class Memory(_Columns):
 
     @property
     def total(self):
-        return self.model_states + self.activations + self.buffers
+        return self.model_states + self.activations + self.buffers + self.runtime
 
 
 @dataclass
@@ -269,6 +276,19 @@ def mfu(spec, cluster, c: Layouts, global_batch: int, step):
     return model_flops / (step * (c.dp * c.cp * c.tp * c.pp) * cluster.peak_tflops * 1e12)
 
 
+CUDA_CONTEXT_BYTES = 0.5 * 2**30  # the CUDA context and libraries' workspaces (arXiv 2411.06465's estimator)
+COMMUNICATOR_BYTES = 0.5 * 2**30  # buffers of one NCCL communicator (the same)
+
+
+def runtime_bytes(spec, c: Layouts, first, last):
+    """The CUDA context and the NCCL communicators a GPU of the stage (first, last: columns of 0/1) joins."""
+    groups = [c.tp, c.cp, c.ep, c.dp * c.cp, c.pp]
+    communicators = sum((g > 1).double() for g in groups)
+    communicators = communicators + float(spec.moe) * ((c.dp * c.cp / c.ep > 1) & (c.ep > 1)).double()  # experts' DP
+    communicators = communicators + float(spec.tied_embeddings) * (c.pp > 1) * torch.maximum(first, last)
+    return CUDA_CONTEXT_BYTES + COMMUNICATOR_BYTES * communicators
+
+
 def _stage_memory(spec, c: Layouts, m, k, first, last, layers, recipe, flash: bool) -> tuple:
     """Memory of stage k, and the per-GPU parameter counts (dense, experts) the rest needs."""
     t, p, z, v = c.tp, c.pp, c.zero, c.virtual
@@ -298,7 +318,7 @@ def _stage_memory(spec, c: Layouts, m, k, first, last, layers, recipe, flash: bo
     buffers = ((z == 3) & (n_dense > 1)) * 2 * (layer_split / t + layer_replicated + layer_experts) * e
     offload = c.offload > 0
     mem = Memory(params, grads, torch.where(offload, 0.0, optimizer), activations, buffers,
-                 torch.where(offload, optimizer, 0.0))
+                 runtime_bytes(spec, c, first, last), torch.where(offload, optimizer, 0.0))
     return mem, psi_dense, psi_expert, share(1)
 
 

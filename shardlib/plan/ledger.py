@@ -5,7 +5,7 @@ communication ledger (shardlib.comm). The numbers are those of shardlib/plan/cos
 
     per_gpu(spec, cluster, Layout(dp=2, tp=4, pp=2, zero=1), global_batch=16, stage=1)
     -> {"layout": ..., "stage": 1, "layers": ..., "micro_batches": ...,
-        "memory": {"params", "grads", "optimizer", "activations", "buffers", "host", "model_states", "total"},
+        "memory": {"params", "grads", "optimizer", "activations", "buffers", "runtime", "host", "model_states", "total"},
         "collectives": [{"group": "tp", "kind": "all_reduce", "group_size": 4, "bytes": S, "calls": n,
                          "sent": bytes one GPU sends per step}, ...],
         "sent": {"dp": ..., "tp": ..., "pp": ..., "cp": ..., "ep": ..., "pcie": ...}}

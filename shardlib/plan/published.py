@@ -30,7 +30,8 @@ held_out_runs()
   schedule nor the scatter/gather of pipeline messages (SOFTWARE["megatron-2021-01"]).
 - BLOOM-176B, arXiv 2211.05100 (Sec. 3.4: 48 nodes of 8 A100 80GB, 4 x 100 Gb/s Omni-Path per node), t 4,
   p 12, d 8, micro-batch 2, batch 2,048, full recomputation, bf16 with fp32 gradient accumulation and a ZeRO-1
-  optimizer (bigscience train/tr11-176B-ml/tr11-176B-ml.slurm); 105.22 s per iteration (chronicles.md).
+  optimizer (bigscience train/tr11-176B-ml/tr11-176B-ml.slurm): DeepSpeed's BF16_Optimizer, which keeps the bf16
+  gradients beside their fp32 sums (DEEPSPEED_BF16_OPTIMIZER); 105.22 s per iteration (chronicles.md).
 - Llama 3 405B, arXiv 2407.21783, Table 4: 8,192 and 16,384 H100 (NVLink in servers of 8, 400 Gb/s per GPU
   between them), t 8, c 1 or 16, p 16, 2,048 (or 128) sequences per batch; BF16 MFU 43%, 41%, 38% of 989
   TFLOP/s, model FLOPs read as 6 Psi + 12 L s h per token; no activation checkpointing at 8k (Sec. 3.3.2),
@@ -60,6 +61,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from shardlib.memory import Recipe
 from shardlib.plan.inputs import Cluster, Layout
 from shardlib.plan.model import ModelSpec
 
@@ -73,7 +75,7 @@ class PublishedRun:
     cluster: Cluster
     layout: Layout
     global_batch: int
-    recipe: str
+    recipe: str | Recipe  # a name of shardlib.memory.TRAINING_RECIPES, or the run's own
     published: str  # the figure as its authors give it
     step_s: float | None  # the step time it means (None: memory only)
     source: str
@@ -138,9 +140,12 @@ NEMO_24_07 = (
 # What the software of a run could do, as choices for planner.plan(): the ranking searches only these.
 SOFTWARE = {
     # Megatron-LM in 2021: no sequence parallelism, selective recomputation or distributed optimizer (2022), no
-    # context parallelism, no TP overlap; Table 1 recomputes every layer in every run (run_table_1.sh)
+    # context parallelism, no TP overlap; Table 1 recomputes every layer in every run (run_table_1.sh); as many
+    # layers on every stage ("num_layers must be divisible by pipeline_model_parallel_size", megatron/model/
+    # transformer.py) and interleaving on more than 2 stages only ("pipeline-model-parallel size should be greater
+    # than 2 with interleaved schedule", megatron/arguments.py; both at commit aed2f75, 2021-04-11)
     "megatron-2021": dict(zero_stages=(0,), sequence_parallel=(False,), tp_overlap=(False,), max_cp=1,
-                          recompute=("full",)),
+                          recompute=("full",), even_stages=True, min_interleaved_pp=3),
     # Megatron-DeepSpeed for BLOOM (2022): its BF16 optimizer is ZeRO-1; no sequence parallelism or selective
     # recomputation (Megatron-LM added them later that year); DeepSpeed's pipeline engine runs 1F1B without
     # interleaving (deepspeed/runtime/pipe/schedule.py, TrainSchedule: 2 (m + p - 1) steps) and splits each message
@@ -203,10 +208,20 @@ def _gpt3_1024() -> PublishedRun:
                         assumed="Megatron's 'local' DDP of 2021: gradients reduced after the backward")
 
 
+# DeepSpeed's BF16_Optimizer, as BLOOM ran it in a pipeline (DeepSpeed PR #1801, "bf16+pipeline parallelism",
+# 2022-04-19: deepspeed/runtime/bf16_optimizer.py keeps a full fp32 gradient buffer, fp32_groups_gradients_flat =
+# zeros_like(bf16 weights, fp32); pipe/engine.py accumulates each micro-batch's bf16 gradients into it with
+# update_hp_grads(clear_lp_grads=False), so the bf16 ones stay until the next backward clears them)
+DEEPSPEED_BF16_OPTIMIZER = Recipe(
+    2, 6, 12, copies="bf16 weights (2); bf16 gradients, kept between micro-batches (2), and their fp32 "
+                     "accumulation (4); fp32 master weights, m and v (12), partitioned over data parallelism",
+    source="DeepSpeed deepspeed/runtime/bf16_optimizer.py and runtime/pipe/engine.py (PR #1801, 2022)")
+
+
 def _bloom() -> PublishedRun:
     cluster = Cluster.of(384, **A100, inter_bw_gbps=4 * 100 / 8 / 8)  # 4 x 100 Gb/s per node of 8 GPUs
     layout = Layout(dp=8, tp=4, pp=12, zero=1, micro_batch=2, recompute="full")
-    return PublishedRun("BLOOM-176B", ModelSpec.preset("bloom-176b"), cluster, layout, 2048, "mixed_adam_fp32_grads",
+    return PublishedRun("BLOOM-176B", ModelSpec.preset("bloom-176b"), cluster, layout, 2048, DEEPSPEED_BF16_OPTIMIZER,
                         "105.22 s per iteration", 105.22,
                         "arXiv 2211.05100, Sec. 3.4; bigscience train/tr11-176B-ml (slurm script, chronicles)",
                         overlap=False, attention="unfused", search=SOFTWARE["megatron-deepspeed-2022"],

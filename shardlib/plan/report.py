@@ -21,7 +21,9 @@ LEGEND = (
              "framework refuses this combination (Layout.caveats), costed anyway"),
     ("b x m", "micro-batch size x micro-batches per step on each data-parallel rank"),
     ("sp", "y: sequence parallelism, o: and its collectives overlapped with the products (tp_overlap)"),
-    ("GiB/GPU, states, act", "memory per GPU: all of it, model states, activations (GiB)"),
+    ("GiB/GPU, states, act", "memory per GPU: all of it (with the CUDA context and NCCL's buffers), model states, "
+                             "activations (GiB); ! it fits only in the headroom a recommended layout leaves free "
+                             "(20%: arXiv 2411.06465), ranked after every layout that leaves it"),
     ("step s", "predicted seconds per step; the columns after it are its parts:"),
     ("compute", "matrix products and memory-bound kernels"),
     ("tp+cp+pp", "exposed tensor-, context-, expert-parallel and pipeline communication (and CPU offload)"),
@@ -80,6 +82,10 @@ def _gib(nbytes: float) -> str:
     return f"{x:.1f}" if x >= 0.95 or x == 0 else f"{x:.2g}"
 
 
+def _percent(x: float) -> str:
+    return f"{max(x, 0.0):.0%}"
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 'es' if word.endswith('h') else 's'}"
 
@@ -119,7 +125,7 @@ def format_table(estimates: list, cluster: Cluster) -> str:
         zero = f"{lay.zero}{'*' if lay.caveats() else ''}"
         lines.append(
             f"{i:>3} {lay.dp:>4} {cp:>3} {lay.tp:>3} {pp:>5} {zero:>4} {f'{lay.micro_batch}x{e.n_micro}':>8} "
-            f"{lay.recompute or '-':>9} {sp:>3} {_gib(e.memory_bytes):>8} "
+            f"{lay.recompute or '-':>9} {sp:>3} {_gib(e.memory_bytes) + ('!' if e.tight else ''):>8} "
             f"{_gib(e.model_state_bytes):>7} {_gib(e.activation_bytes):>6} {_seconds(e.step_s):>8} "
             f"{_seconds(time.compute + time.elementwise + time.optimizer):>8} {_seconds(comm):>8} "
             f"{_seconds(time.bubble):>7} {_seconds(time.dp):>7} {e.mfu:>5.0%}")
@@ -152,11 +158,14 @@ def _recomputes(lay: Layout) -> int:
     return RECOMPUTE.index(lay.recompute)
 
 
-def _trade(best, other, cluster: Cluster, what: str) -> str:
+def _trade(best, other, cluster: Cluster, what: str, headroom: float) -> str:
     d = deciding(best, other, cluster)
     change = other.memory_bytes - best.memory_bytes
     memory = (f"{'needs' if change >= 0 else 'saves'} {_gib(abs(change))} GiB per GPU{' more' if change >= 0 else ''}"
               if other.fits else f"does not fit ({other.reason})")
+    if other.tight:
+        memory += (f", leaving {_percent(1 - other.memory_bytes / (cluster.gpu_mem_gib * GiB))} of the GPU free "
+                   f"(less than the {headroom:.0%} headroom)")
     head = f"{what}: {other.layout}: {other.step_s / best.step_s - 1:+.1%} step time; {memory}."
     head += "".join(f"\n  note: {note}." for note in other.layout.caveats())
     if d["gap"] <= 0:
@@ -173,7 +182,8 @@ def explain(result, against: Layout | None = None) -> str:
     parts = _time_parts(best, cluster)
     in_flight = f", stage 0 holding the micro-batches of its warm-up" if lay.pp > 1 else ""
     lines = [f"{len(result.ranked)} of {len(result.ranked) + len(result.rejected)} layouts fit "
-             f"{cluster.n_gpus} x {cluster.gpu_mem_gib:g} GiB; ranked by predicted step time.",
+             f"{cluster.n_gpus} x {cluster.gpu_mem_gib:g} GiB, {result.n_roomy} of them leaving {result.headroom:.0%} "
+             f"free; ranked by predicted step time, those that leave it first.",
              f"Best: {lay} ({_plural(best.n_micro, 'micro-batch')} of {lay.micro_batch} per data-parallel rank): "
              f"{_seconds(step)} s per step, MFU {best.mfu:.0%}.",
              "  time: " + ", ".join(f"{label} {seconds / step:.0%}" for _, label, seconds in
@@ -181,18 +191,26 @@ def explain(result, against: Layout | None = None) -> str:
              f"  memory: {_gib(best.memory_bytes)} of {cluster.gpu_mem_gib:g} GiB per GPU: model states "
              f"{_gib(best.model_state_bytes)} ({_sharding(lay)}), activations {_gib(best.activation_bytes)} "
              f"({lay.recompute or 'no'} recomputation{', sequence parallel' if lay.sequence_parallel else ''}"
-             f"{in_flight})" + (f", gathered layers {_gib(best.buffer_bytes)}" if best.buffer_bytes else "") + "."]
+             f"{in_flight})" + (f", gathered layers {_gib(best.buffer_bytes)}" if best.buffer_bytes else "")
+             + f", CUDA context and NCCL {_gib(best.costs.memory.runtime)}"
+             + (f"; tight: no layout leaves {result.headroom:.0%} free" if best.tight else "") + "."]
     lines += [f"  note: {note}." for note in lay.caveats()]
+    faster = result.ranked[result.n_roomy] if 0 < result.n_roomy < len(result.ranked) else None  # the fastest tight
+    if faster is not None and faster.step_s < step:
+        lines.append(f"  {faster.layout} would take {faster.step_s / step - 1:+.1%} step time, leaving "
+                     f"{_percent(1 - faster.memory_bytes / (cluster.gpu_mem_gib * GiB))} of the GPU free: "
+                     f"measure its memory before choosing it.")
     if against is not None:
         rank, other = result.find(against)
         if other is None:
             lines.append(f"{against} is not among the layouts searched.")
         elif rank != 1:
-            lines.append(_trade(best, other, cluster, f"Against {'rank ' + str(rank) if rank else 'it'}"))
+            lines.append(_trade(best, other, cluster, f"Against {'rank ' + str(rank) if rank else 'it'}",
+                                result.headroom))
         return "\n".join(lines)
     other = result.runner_up()
     if other is not None:
-        lines.append(_trade(best, other, cluster, "Runner-up"))
+        lines.append(_trade(best, other, cluster, "Runner-up", result.headroom))
     return "\n".join(lines)
 
 
@@ -205,7 +223,8 @@ def breakdown(e, cluster: Cluster) -> str:
     lines += [f"memory per GPU: {_gib(mem.total)} of {cluster.gpu_mem_gib:g} GiB",
               f"  model states {_gib(mem.model_states)} ({_sharding(e.layout)}: parameters {_gib(mem.params)}, "
               f"gradients {_gib(mem.grads)}, optimizer {_gib(mem.optimizer)}), activations {_gib(mem.activations)}, "
-              f"gathered layers {_gib(mem.buffers)}" + (f"; CPU memory {_gib(mem.host)}" if mem.host else ""),
+              f"gathered layers {_gib(mem.buffers)}, CUDA context and NCCL buffers {_gib(mem.runtime)}"
+              + (f"; CPU memory {_gib(mem.host)}" if mem.host else ""),
               f"step time: {_seconds(step)} s, MFU {e.mfu:.1%}"]
     lines += [f"  {label:<32} {_seconds(seconds):>9} s  {seconds / step:6.1%}" for _, label, seconds in
               _time_parts(e, cluster)]
@@ -216,7 +235,7 @@ def breakdown(e, cluster: Cluster) -> str:
 
 def as_dict(e) -> dict:
     """An Estimate as plain numbers (bytes, seconds) for JSON."""
-    return {"layout": asdict(e.layout), "fits": e.fits, "reason": e.reason, "n_micro": e.n_micro,
+    return {"layout": asdict(e.layout), "fits": e.fits, "tight": e.tight, "reason": e.reason, "n_micro": e.n_micro,
             "memory_bytes": {**asdict(e.costs.memory), "model_states": e.costs.memory.model_states,
                              "total": e.costs.memory.total},
             "sent_bytes": {**asdict(e.costs.sent), "total": e.costs.sent.total},

@@ -16,7 +16,7 @@ def check_batch(global_batch) -> None:
 
 
 def check_options(cluster: Cluster, efficiency, overlap, reserve_gib: float, attention: str = "flash",
-                  scatter_gather: bool = True, overlap_with_pipeline: bool = True) -> None:
+                  scatter_gather: bool = True, overlap_with_pipeline: bool = True, headroom: float = 0.0) -> None:
     if efficiency is not None and not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], the fraction of the GPU's measured matmul ceiling "
                          f"(Cluster.matmul_tflops) the products reach; got {efficiency!r}")
@@ -32,6 +32,9 @@ def check_options(cluster: Cluster, efficiency, overlap, reserve_gib: float, att
                              f"got {value!r}")
     if not 0 <= reserve_gib < cluster.gpu_mem_gib:
         raise ValueError(f"reserve_gib must be in [0, {cluster.gpu_mem_gib:g}) GiB, got {reserve_gib!r}")
+    if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
+        raise ValueError(f"headroom must be in [0, 1), the share of a GPU's memory a recommended layout leaves "
+                         f"free (0.2 by default); got {headroom!r}")
 
 
 def check_layout(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int) -> None:

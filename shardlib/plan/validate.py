@@ -5,9 +5,10 @@ where each published layout ranks in the planner's own search; and the fit of th
     python -m shardlib plan --validate --fit    # refit cost.FITTED on the training set (prints; edit cost.py)
 
 validate(run) predicts the published layout (its free knobs chosen by the planner among those the source
-allows: the fastest that fits), then ranks it among every layout of the default search on the same GPUs,
-model, batch and software (recipe, overlap, attention): rank 1 is the planner's own pick, and `gap` says how
-much faster the pick is predicted. explain() names the single assumption the pick rests on when it is not
+allows: the fastest that fits, leaving the headroom free where one does), then ranks it among every layout of
+the default search on the same GPUs, model, batch and software (recipe, overlap, attention): rank 1 is the
+planner's own pick (the fastest that leaves planner.HEADROOM of the GPU free), and `gap` says how much faster
+the pick is predicted (negative: a published layout that fits only in the headroom, faster than the pick). explain() names the single assumption the pick rests on when it is not
 the published layout. side_by_side() holds the ranking itself against layouts of one model timed on one cluster
 (BLOOM's, before its training): predicted and measured step time, each over the fastest measured. sweeps() holds
 it against Megatron-LM's sweeps of Figures 13-15: the order of the predicted throughputs against the order the
@@ -55,15 +56,15 @@ def validate(run: PublishedRun, rank: bool = True, **constants) -> dict:
     row = dict(run=run.name, source=run.source, gpus=run.cluster.n_gpus, model=run.spec.name, layout=str(e.layout),
                published=run.published, published_step_s=run.step_s, predicted_step_s=e.step_s,
                error=e.step_s / run.step_s - 1 if run.step_s else None, memory_gib=e.memory_bytes / 2**30,
-               fits=e.fits, assumed=run.assumed, free=", ".join(run.free), rank=None, gap=None, best=None,
-               deciding="")
+               fits=e.fits, tight=e.tight, assumed=run.assumed, free=", ".join(run.free), rank=None, gap=None,
+               best=None, deciding="")
     if rank and e.fits and run.step_s:  # memory-only runs (FP8 products, or no step time) are not ranked
         result = plan(run.spec, run.cluster, run.global_batch, **_options(run, constants), **run.search)
         place, found = result.find(e.layout)
         gap = found.step_s / result.best.step_s - 1 if found else None
         row.update(rank=place, best=str(result.best.layout), gap=gap)
         if place != 1:
-            row["deciding"] = result.explain(against=e.layout).splitlines()[-1]
+            row["deciding"] = result.explain(against=e.layout).splitlines()[-1].strip()
     return row
 
 
@@ -111,13 +112,13 @@ def fit(runs: list[PublishedRun] | None = None, step: float = 0.02, passes: int 
 def format_table(rows: list[dict]) -> str:
     """The published runs, one line each: published and predicted step time, error, memory, rank and gap."""
     lines = [f"{'run':<36} {'GPUs':>6} {'published':>26} {'step s':>8} {'pred.':>8} {'error':>7} {'GiB':>6} "
-             f"{'fits':>4} {'rank':>5} {'gap':>6}"]
+             f"{'fits':>4} {'rank':>5} {'gap':>6}"]  # GiB ...!: it fits only in the headroom (planner.HEADROOM)
     for r in rows:
         step = f"{r['published_step_s']:.2f}" if r["published_step_s"] else "-"
         error = f"{r['error']:+.1%}" if r["error"] is not None else "-"
         gap = f"{r['gap']:.1%}" if r["gap"] is not None else "-"
         lines.append(f"{r['run']:<36} {r['gpus']:>6} {r['published']:>26} {step:>8} {r['predicted_step_s']:>8.2f} "
-                     f"{error:>7} {r['memory_gib']:>6.1f} {'yes' if r['fits'] else 'no':>4} "
+                     f"{error:>7} {r['memory_gib']:>6.1f}{'!' if r['tight'] else ' '}{'yes' if r['fits'] else 'no':>4} "
                      f"{r['rank'] if r['rank'] else '-':>5} {gap:>6}")
     return "\n".join(lines)
 
@@ -175,6 +176,14 @@ def format_sweeps(rows: list[dict]) -> str:
     return "\n".join(lines + [f"  Figure {k}: \"{v}\"" for k, v in claims.items()])
 
 
+def ranking_line(rows: list[dict]) -> str:
+    """How many published layouts are predicted within 5% of the planner's pick, and which are further (gap)."""
+    ranked = [r for r in rows if r["gap"] is not None]
+    far = [f"{r['run']} ({r['gap']:+.1%})" for r in ranked if r["gap"] > 0.05]
+    return (f"published layouts within 5% of the planner's pick: {len(ranked) - len(far)} of {len(ranked)}"
+            + (f"; further: {', '.join(far)}" if far else ""))
+
+
 def report(rank: bool = True) -> str:
     """Both sets, their summaries, and for every run whose layout is not the planner's pick, what decides it."""
     out = []
@@ -183,7 +192,8 @@ def report(rank: bool = True) -> str:
         s = summary(rows)
         out += [title, format_table(rows),
                 f"step-time error over {s['n']} runs: mean {s['mean']:.1%}, max {s['max']:.1%}; published layouts "
-                f"predicted not to fit: {s['not_fitting'] or 'none'}"]
+                f"predicted not to fit: {s['not_fitting'] or 'none'}",
+                ranking_line(rows)]
         out += [f"  {r['run']}: {r['layout']}; the planner's pick {r['best']}; {r['deciding']}" for r in rows
                 if r["deciding"]]
         free = sorted({r["free"] for r in rows if r["free"]})
