@@ -570,8 +570,12 @@ def test_zero3_inside_a_pipeline_pays_every_micro_batch_and_is_marked():
     assert e.dp_s >= 0.9 * seconds * COMPUTE_SLOWDOWN / (1 + COMPUTE_SLOWDOWN), "overlap is not free"
     assert lay.caveats() and "DeepSpeed refuses" in lay.caveats()[0]
     roomier = replace(cluster, gpu_mem_gib=96.0)  # on 80 GiB it needs 80.1 with the CUDA context and NCCL's buffers
-    result = plan(spec, roomier, 64, tp=2, cp=4, pp=2, zero_stages=(3,), recompute=("selective",), virtual_stages=(4,))
+    result = plan(spec, roomier, 64, tp=2, cp=4, pp=2, zero_stages=(3,), recompute=("selective",), virtual_stages=(4,),
+                  zero_in_pipeline=(0, 1, 2, 3))
     assert "*" in result.table(1) and "DeepSpeed refuses" in result.explain()
+    default = candidate_layouts(spec, cluster, 64, tp=2, cp=4, recompute=("selective",), virtual_stages=(1, 4))
+    assert {lay.zero for lay in default if lay.pp > 1} == {0, 1} and {lay.zero for lay in default if lay.pp == 1} == \
+        {0, 1, 2, 3}, "the default search leaves ZeRO-2 and -3 out of pipelines (planner.PIPELINE_ZERO_STAGES)"
     assert "ZeRO-3 over the 4 GPUs of its data- and context-parallel group (dp 1 x cp 4)" in result.explain()
 
 

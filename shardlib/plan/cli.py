@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                        ("cp", "context-parallel"), ("ep", "expert-parallel (inside dp)")):
         layout.add_argument(f"--{name}", type=int, help=f"{what} size")
     layout.add_argument("--zero", type=int, nargs="+", choices=(0, 1, 2, 3), help="ZeRO stage(s) to try")
+    layout.add_argument("--zero-in-pipeline", action="store_true", help="also try ZeRO-2 and -3 with pp > 1 (DeepSpeed "
+                        "refuses them there; costed once per micro-batch, marked *)")
     layout.add_argument("--micro-batch", type=int, nargs="+", help="micro-batch size(s) to try")
     layout.add_argument("--recompute", nargs="+", choices=sorted(RECOMPUTE_NAMES), help="recomputation mode(s)")
     layout.add_argument("--virtual-stages", type=int, nargs="+", help="interleaved 1F1B: chunks per pipeline rank")
@@ -156,6 +158,8 @@ def _choices(args) -> dict:
     choices["tp_within_node"] = args.tp_within_node
     if args.zero:
         choices["zero_stages"] = tuple(args.zero)
+    if args.zero_in_pipeline:
+        choices["zero_in_pipeline"] = (0, 1, 2, 3)
     if args.micro_batch:
         choices["micro_batches"] = tuple(args.micro_batch)
     if args.recompute:

@@ -158,6 +158,12 @@ class _Estimates(Sequence):
 
 # all-gather context parallelism exposes what ring attention hides, so it never wins on time here: asked for by name
 SEARCHED_CP_METHODS = ("ring", "ulysses")
+# ZeRO stages searched inside a pipeline: DeepSpeed refuses 2 and 3 there ("ZeRO-2 and ZeRO-3 are incompatible with
+# pipeline parallelism", deepspeed/runtime/pipe/engine.py), Megatron-Core pairs pipelines with its distributed
+# optimizer (ZeRO-1), and PyTorch's pipeline stages keep FSDP's gradients unsharded until the last micro-batch
+# (torch.distributed.pipelining: set_requires_gradient_sync). Layout.caveats() says why; zero_in_pipeline=(0, 1, 2, 3)
+# costs them, once per micro-batch
+PIPELINE_ZERO_STAGES = (0, 1)
 
 
 def _divisors(n: int) -> list[int]:
@@ -170,7 +176,7 @@ def _candidate_rows(spec: ModelSpec, cluster: Cluster, global_batch: int, *, dp=
                     sequence_parallel=(False, True), micro_batches=None, max_micro_batch=16,
                     virtual_stages=None, cp_methods=SEARCHED_CP_METHODS, offload=(False,), tp_overlap=(False, True),
                     tp_within_node: bool = False, even_stages: bool = False, min_interleaved_pp: int = 2,
-                    attention: str = "flash") -> list[tuple]:
+                    zero_in_pipeline=PIPELINE_ZERO_STAGES, attention: str = "flash") -> list[tuple]:
     check_batch(global_batch)
     n, g, L, s = cluster.n_gpus, cluster.gpus_per_node, spec.n_layer, spec.seq_len
     fixed = lambda value, size: value is None or value == size  # noqa: E731
@@ -194,7 +200,7 @@ def _candidate_rows(spec: ModelSpec, cluster: Cluster, global_batch: int, *, dp=
                 sizes = [b for b in _divisors(global_batch // d) if (micro_batches is None and b <= max_micro_batch)
                          or (micro_batches is not None and b in micro_batches)]
                 sps = [float(x) for x in sequence_parallel] if t > 1 and (s // c) % t == 0 else [0.0]
-                zeros = zero_stages if d * c > 1 else (0,)
+                zeros = [z for z in zero_stages if p == 1 or z in zero_in_pipeline] if d * c > 1 else (0,)
                 for b in sizes:
                     m = global_batch // (d * b)
                     most = -(-L // p)  # layers of the fullest stage
@@ -222,8 +228,9 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, global_batch: int, **ch
     zero_stages, recompute, sequence_parallel, micro_batches, virtual_stages (default: every count that divides
     the layers of a stage), cp_methods, offload (default (False,)), tp_overlap (default both, with sequence
     parallelism); tp_within_node; even_stages (pp must divide the layers) and min_interleaved_pp (the fewest
-    stages an interleaved schedule runs on, default 2), for software that needs them. ZeRO only when dp*cp > 1 (stages 2 and 3 only without a pipeline), sequence
-    parallelism only with tp > 1."""
+    stages an interleaved schedule runs on, default 2), for software that needs them; zero_in_pipeline (the ZeRO
+    stages tried with pp > 1, default PIPELINE_ZERO_STAGES). ZeRO only when dp*cp > 1, sequence parallelism only
+    with tp > 1."""
     return [_layout(row) for row in _candidate_rows(spec, cluster, global_batch, **choices)]
 
 

@@ -156,9 +156,10 @@ SOFTWARE = {
     "megatron-core-2024": dict(zero_stages=(0, 1)),
     # Llama 3's 4D parallelism (arXiv 2407.21783, Sec. 3.3.2) describes no overlap of TP communication, and its
     # data parallelism is FSDP, whose sharding strategies are ZeRO-3, ZeRO-2 or none (torch.distributed.fsdp.
-    # ShardingStrategy: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD and their hybrids): no optimizer-only ZeRO-1; its context
+    # ShardingStrategy: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD and their hybrids), inside its pipeline too (Sec. 3.3.2):
+    # no optimizer-only ZeRO-1; its context
     # parallelism all-gathers K and V ("the all-gather communication latency is exposed in the critical path")
-    "llama3": dict(tp_overlap=(False,), zero_stages=(0, 2, 3), cp_methods=("allgather",)),
+    "llama3": dict(tp_overlap=(False,), zero_stages=(0, 2, 3), zero_in_pipeline=(0, 2, 3), cp_methods=("allgather",)),
 }
 # the same in January 2021, before the interleaved schedule and the scatter/gather of pipeline messages: both
 # reached the repository's main branch on 2021-02-16/17 (commits 72e4230 "Turn scatter-gather optimization on
