@@ -15,7 +15,8 @@ from dataclasses import asdict, fields
 from shardlib.plan.inputs import CP_SUFFIX, RECOMPUTE, Cluster, GiB, Layout
 
 LEGEND = (
-    ("dp, cp, tp", "data-, context- (u: Ulysses, else ring attention) and tensor-parallel sizes"),
+    ("dp, cp, tp (ep)", "data-, context- (u: Ulysses, g: all-gather, else ring attention) and tensor-parallel sizes; "
+                        "expert-parallel, inside dp, where a layout of the table uses it"),
     ("pp", "pipeline stages, x v: interleaved with v chunks of layers per GPU"),
     ("zero", "ZeRO stage over the dp x cp GPUs holding the same weights (1: optimizer states sharded); * a "
              "framework refuses this combination (Layout.caveats), costed anyway"),
@@ -113,9 +114,10 @@ def legend() -> str:
 
 def format_table(estimates: list, cluster: Cluster) -> str:
     """One line per estimate: layout, memory per GPU (GiB), seconds per step and their parts, MFU (LEGEND)."""
-    lines = [f"{'#':>3} {'dp':>4} {'cp':>3} {'tp':>3} {'pp':>5} {'zero':>4} {'b x m':>8} {'recompute':>9} {'sp':>3} "
-             f"{'GiB/GPU':>8} {'states':>7} {'act':>6} {'step s':>8} {'compute':>8} {'tp+cp+pp':>8} {'bubble':>7} "
-             f"{'DP s':>7} {'MFU':>5}"]
+    experts = any(e.layout.ep > 1 for e in estimates)  # a column for expert parallelism where a layout uses it
+    lines = [f"{'#':>3} {'dp':>4} {'cp':>3} {'tp':>3} " + (f"{'ep':>3} " if experts else "") + f"{'pp':>5} {'zero':>4} "
+             f"{'b x m':>8} {'recompute':>9} {'sp':>3} {'GiB/GPU':>8} {'states':>7} {'act':>6} {'step s':>8} "
+             f"{'compute':>8} {'tp+cp+pp':>8} {'bubble':>7} {'DP s':>7} {'MFU':>5}"]
     for i, e in enumerate(estimates, 1):
         lay, time = e.layout, e.costs.time
         cp = f"{lay.cp}{CP_SUFFIX[lay.cp_method]}"
@@ -124,7 +126,8 @@ def format_table(estimates: list, cluster: Cluster) -> str:
         sp = "o" if lay.tp_overlap else "y" if lay.sequence_parallel else "-"
         zero = f"{lay.zero}{'*' if lay.caveats() else ''}"
         lines.append(
-            f"{i:>3} {lay.dp:>4} {cp:>3} {lay.tp:>3} {pp:>5} {zero:>4} {f'{lay.micro_batch}x{e.n_micro}':>8} "
+            f"{i:>3} {lay.dp:>4} {cp:>3} {lay.tp:>3} " + (f"{lay.ep:>3} " if experts else "")
+            + f"{pp:>5} {zero:>4} {f'{lay.micro_batch}x{e.n_micro}':>8} "
             f"{lay.recompute or '-':>9} {sp:>3} {_gib(e.memory_bytes) + ('!' if e.tight else ''):>8} "
             f"{_gib(e.model_state_bytes):>7} {_gib(e.activation_bytes):>6} {_seconds(e.step_s):>8} "
             f"{_seconds(time.compute + time.elementwise + time.optimizer):>8} {_seconds(comm):>8} "
