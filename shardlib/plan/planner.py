@@ -126,12 +126,18 @@ def predict(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int
     return _Estimates(out, [_row(layout)], cluster, reserve_gib, headroom)[0]
 
 
+def _limits(cluster: Cluster, reserve_gib: float, headroom: float) -> tuple[float, float]:
+    """(bytes a layout may use, bytes it may use and still leave the headroom free) per GPU."""
+    usable = (cluster.gpu_mem_gib - reserve_gib) * GiB
+    return usable, (1 - headroom) * usable
+
+
 class _Estimates(Sequence):
     """Estimates of many layouts, built when read (a search evaluates tens of thousands)."""
 
     def __init__(self, out: Costs, rows: list, cluster: Cluster, reserve_gib: float, headroom: float, order=None):
-        self.out, self.rows, self.usable = out, rows, (cluster.gpu_mem_gib - reserve_gib) * GiB
-        self.headroom = headroom
+        self.out, self.rows = out, rows
+        self.usable, self.roomy = _limits(cluster, reserve_gib, headroom)
         self.order = list(range(len(rows))) if order is None else order
 
     def __len__(self) -> int:
@@ -149,7 +155,7 @@ class _Estimates(Sequence):
             f"model states {x.memory.model_states / GiB:.1f}, "
             f"activations {x.memory.activations / GiB:.1f}, buffers {x.memory.buffers / GiB:.1f}, "
             f"CUDA context and NCCL {x.memory.runtime / GiB:.1f}")
-        return Estimate(_layout(self.rows[row]), x, fits, reason, fits and total > (1 - self.headroom) * self.usable)
+        return Estimate(_layout(self.rows[row]), x, fits, reason, fits and total > self.roomy)
 
 
 # ---------------------------------------------------------------------------------
@@ -244,9 +250,9 @@ class Plan:
     global_batch: int
     ranked: Sequence[Estimate]
     rejected: Sequence[Estimate] = field(repr=False)
+    n_roomy: int  # how many of `ranked`, the first, leave the headroom free
     options: Options = field(default_factory=Options)
     headroom: float = HEADROOM
-    n_roomy: int | None = None  # how many of `ranked`, the first, leave the headroom free (None: all)
 
     @property
     def best(self) -> Estimate:
@@ -310,9 +316,9 @@ def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_
     options = Options(recipe, efficiency, overlap, attention, link_efficiency, hbm_efficiency, scatter_gather,
                       overlap_with_pipeline)
     out = costs(spec, cluster, Layouts.from_rows(rows), global_batch, options)
-    usable = (cluster.gpu_mem_gib - reserve_gib) * GiB
+    usable, roomy_bytes = _limits(cluster, reserve_gib, headroom)
     total, step = out.memory.total, out.time.total
-    fits, roomy = total <= usable, total <= (1 - headroom) * usable
+    fits, roomy = total <= usable, total <= roomy_bytes
     by_memory = torch.sort(total, stable=True).indices
     ranking = by_memory[torch.sort(step[by_memory], stable=True).indices]  # by step time, then memory
     order = torch.cat([ranking[roomy[ranking]], ranking[(fits & ~roomy)[ranking]]])  # the tight ones after
@@ -320,7 +326,7 @@ def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_
     rejected = _Estimates(out, rows, cluster, reserve_gib, headroom, by_memory[~fits[by_memory]].tolist())
     if not len(ranked):
         raise NoLayoutFits(_no_fit_message(spec, cluster, recipe, reserve_gib, rejected[0]), rejected[0])
-    return Plan(spec, cluster, global_batch, ranked, rejected, options, headroom, int(roomy.sum()))
+    return Plan(spec, cluster, global_batch, ranked, rejected, int(roomy.sum()), options, headroom)
 
 
 def _no_fit_message(spec, cluster, recipe, reserve_gib, smallest: Estimate) -> str:

@@ -83,8 +83,9 @@ def _gib(nbytes: float) -> str:
     return f"{x:.1f}" if x >= 0.95 or x == 0 else f"{x:.2g}"
 
 
-def _percent(x: float) -> str:
-    return f"{max(x, 0.0):.0%}"
+def _free(e, cluster: Cluster) -> str:
+    """The share of its GPU an estimate leaves free."""
+    return f"{max(1 - e.memory_bytes / (cluster.gpu_mem_gib * GiB), 0.0):.0%}"
 
 
 def _plural(n: int, word: str) -> str:
@@ -167,8 +168,7 @@ def _trade(best, other, cluster: Cluster, what: str, headroom: float) -> str:
     memory = (f"{'needs' if change >= 0 else 'saves'} {_gib(abs(change))} GiB per GPU{' more' if change >= 0 else ''}"
               if other.fits else f"does not fit ({other.reason})")
     if other.tight:
-        memory += (f", leaving {_percent(1 - other.memory_bytes / (cluster.gpu_mem_gib * GiB))} of the GPU free "
-                   f"(less than the {headroom:.0%} headroom)")
+        memory += f", leaving {_free(other, cluster)} of the GPU free (less than the {headroom:.0%} headroom)"
     head = f"{what}: {other.layout}: {other.step_s / best.step_s - 1:+.1%} step time; {memory}."
     head += "".join(f"\n  note: {note}." for note in other.layout.caveats())
     if d["gap"] <= 0:
@@ -201,8 +201,7 @@ def explain(result, against: Layout | None = None) -> str:
     faster = result.ranked[result.n_roomy] if 0 < result.n_roomy < len(result.ranked) else None  # the fastest tight
     if faster is not None and faster.step_s < step:
         lines.append(f"  {faster.layout} would take {faster.step_s / step - 1:+.1%} step time, leaving "
-                     f"{_percent(1 - faster.memory_bytes / (cluster.gpu_mem_gib * GiB))} of the GPU free: "
-                     f"measure its memory before choosing it.")
+                     f"{_free(faster, cluster)} of the GPU free: measure its memory before choosing it.")
     if against is not None:
         rank, other = result.find(against)
         if other is None:
