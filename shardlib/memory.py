@@ -86,6 +86,7 @@ class Recipe:
     optimizer: float
     copies: str
     source: str
+    accumulate: float = 0.0  # bytes moved per parameter per micro-batch to add its gradient into a separate sum
 
     @property
     def total(self) -> float:

@@ -49,12 +49,12 @@ from shardlib.plan import main as plan_main
 from shardlib.plan.fitted import FITTED
 from shardlib.plan.gemm import matmul_seconds
 from shardlib.plan.links import COMPUTE_SLOWDOWN, exposed
-from shardlib.plan.published import (BLOOM_LAYOUT_SEARCH, DEEPSPEED_BF16_OPTIMIZER, bloom_layout_search, held_out_runs,
-                                     training_runs)
+from shardlib.plan.published import (BLOOM_LAYOUT_SEARCH, DEEPSPEED_BF16_OPTIMIZER, MEGATRON_2022, bloom_layout_search,
+                                     held_out_runs, training_runs)
 from shardlib.plan.report import ASSUMPTIONS
 from shardlib.plan.validate import format_table as format_validation
-from shardlib.plan.validate import (format_side_by_side, format_sweeps, published_estimate, side_by_side, summary,
-                                    sweeps, table)
+from shardlib.plan.validate import (format_side_by_side, format_sweeps, misses_lines, published_estimate,
+                                    side_by_side, summary, sweeps, table)
 from shardlib.plan.inference import inference_table, predict_inference
 from shardlib.reference import model_loss
 
@@ -388,6 +388,53 @@ def test_recomputation_trades_memory_for_compute():
     assert by_mode["full"].compute_s / by_mode[None].compute_s == pytest.approx(4 / 3, rel=0.02)
 
 
+def test_selective_recomputation_writes_the_scores_again():
+    # unfused attention writes its a s^2 b / t scores (13 bytes each: compute.scores_traffic) whether or not it keeps
+    # them; selective recomputation keeps none and runs the attention core again in backward: its products and one
+    # more forward of the scores' traffic. FlashAttention never writes them.
+    spec, cluster = ModelSpec(8, 2048, 16, 32000, 2048), Cluster.of(8)
+    by_mode = {mode: predict(spec, cluster, Layout(tp=8, micro_batch=2, recompute=mode), 4, attention="unfused")
+               for mode in (None, "selective")}
+    scores = 13 * 16 * 2048 * 2 * 2048 / 8  # bytes per layer and micro-batch forward, on one of the 8 GPUs
+    again = 2 * 8 * scores / (cluster.hbm_bw_gbps * 1e9 * FITTED["hbm"])  # 2 micro-batches, 8 layers
+    plain, selective = by_mode[None].costs.time, by_mode["selective"].costs.time
+    assert selective.elementwise - plain.elementwise == pytest.approx(again)
+    assert selective.compute > plain.compute
+    flash = [predict(spec, cluster, Layout(tp=8, micro_batch=2, recompute=mode), 4).costs.time.elementwise
+             for mode in (None, "selective")]
+    assert flash[0] == pytest.approx(flash[1]) and flash[0] < plain.elementwise
+
+
+@pytest.mark.slow
+def test_full_recomputation_costs_what_korthikanti_measured_against_selective():
+    # arXiv 2205.05198, Table 5: four GPT models, each timed with full recomputation and with sequence parallelism
+    # and selective recomputation (held out; published.MEGATRON_2022). The ratio of the two step times, measured
+    # 1.29 to 1.32, is the planner's within 6%: full recomputation costs one more forward and its collectives
+    # (and, without sequence parallelism, the replicated norms), selective the attention core and its scores.
+    rows = {r["run"]: r for r in table([r for r in held_out_runs() if r.name.startswith("Megatron-LM 2022")],
+                                       rank=False)}
+    for size, *_, full_s, selective_s in MEGATRON_2022:
+        full = rows[f"Megatron-LM 2022 GPT {size:g}B, full recompute"]["predicted_step_s"]
+        selective = rows[f"Megatron-LM 2022 GPT {size:g}B, SP + selective"]["predicted_step_s"]
+        print(f"{size}B: full / selective measured {full_s / selective_s:.3f}, predicted {full / selective:.3f}")
+        assert full / selective == pytest.approx(full_s / selective_s, rel=0.06)
+
+
+def test_a_recipe_that_adds_each_micro_batch_into_a_sum_pays_for_the_pass():
+    # DeepSpeed's BF16_Optimizer adds every micro-batch's bf16 gradients into fp32 ones after the backward
+    # (update_hp_grads: 18 bytes per parameter, read and written at HBM bandwidth); a recipe without that pass
+    # pays nothing more
+    spec, cluster = ModelSpec.preset("llama-7b"), Cluster.of(8)
+    layout = Layout(dp=2, tp=4, zero=1, micro_batch=1, recompute="full")
+    plain = replace(DEEPSPEED_BF16_OPTIMIZER, accumulate=0.0)
+    ours, theirs = (predict(spec, cluster, layout, 16, recipe=r) for r in (DEEPSPEED_BF16_OPTIMIZER, plain))
+    params = ours.costs.memory.params / DEEPSPEED_BF16_OPTIMIZER.params  # this GPU's, unsharded below ZeRO-3
+    extra = 8 * params * 18 / (cluster.hbm_bw_gbps * 1e9 * FITTED["hbm"])  # 8 micro-batches
+    assert DEEPSPEED_BF16_OPTIMIZER.accumulate == 18
+    assert ours.step_s - theirs.step_s == pytest.approx(extra)
+    assert ours.costs.memory.total == theirs.costs.memory.total
+
+
 def test_offload_moves_the_optimizer_states_to_the_cpu():
     # ZeRO-Offload (arXiv 2101.06840): the fp32 master weights and Adam's moments (12 bytes per parameter) live in
     # CPU memory; per step 2 bytes of gradient per parameter go down and 2 bytes of updated weight come back up
@@ -487,6 +534,7 @@ def test_held_out_published_runs_meet_the_targets():
     # shardlib/plan/published.py: runs never used to fit shardlib/plan/fitted.py. Step time: mean error <= 7%,
     # none off by more than 15%; memory: every published layout (FP8 ones included) fits the planner's model;
     # ranked among every layout of the planner's own search (as far as the run's software went), each is found
+    # (runs with a known_miss, MT-NLG's, are reported beside these figures, not in them: see below)
     rows = table(held_out_runs())
     print("\n" + format_validation(rows))
     s = summary(rows)
@@ -494,6 +542,11 @@ def test_held_out_published_runs_meet_the_targets():
     assert s["mean"] <= 0.07 and s["max"] <= 0.15, f"held-out step-time error: mean {s['mean']:.1%}, max {s['max']:.1%}"
     assert not s["not_fitting"], f"published layouts the planner says do not fit: {s['not_fitting']}"
     _ranks_are_explained(rows)
+    # the misses, as their reason states them: predicted fast, by 18-22%; a change that moves one out of that range
+    # changes what the reason and the course say of it
+    print("\n".join(misses_lines(rows)))
+    assert [name for name, _ in s["misses"]] == [f"MT-NLG 530B, {n:,} GPUs" for n in (2240, 2800, 3360)]
+    assert all(-0.22 <= error <= -0.18 for _, error in s["misses"]), s["misses"]
 
 
 def _ranks_are_explained(rows):

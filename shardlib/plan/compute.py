@@ -13,8 +13,8 @@ the scores: its causal kernel skips the masked half of the blocks, and its backw
 arXiv 2307.08691, abstract), against 85.9% for a large product: FLASH_FRACTION of the matmul ceiling.
 Memory-bound kernels between the products, 16-bit, per layer forward: 2 norms (read + write 2 s b h each:
 8 s b h), bias + activation of the MLP (16 s b h), 2 bias-dropout-adds (7 s b h each, masks 1 byte) and,
-with unfused attention not recomputed selectively, 13 a s^2 b of scores (Q K^T output 2, softmax 4,
-dropout 5, read by A V 2); backward moves twice the forward's bytes.
+with unfused attention, 13 a s^2 b of scores (Q K^T output 2, softmax 4,
+dropout 5, read by A V 2), written whether or not they are kept; backward moves twice the forward's bytes.
 Activations: spec.activation_terms() (shardlib/plan/model.py), s b h bytes times each term.
 The output layer (T, ceil(V / t), h): the vocabulary padded to a multiple of t.
 """
@@ -38,8 +38,10 @@ def vocab_rows(spec, t):
 
 
 def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, flash: bool, scale: float = 1.0):
-    """Seconds of one layer, one micro-batch: dict(gemm_fwd, gemm_bwd, attn_fwd, attn_bwd, elem_fwd, elem_bwd).
-    gemm_*: the weight products; attn_*: the attention core (its backward holds FlashAttention's recompute);
+    """Seconds of one layer, one micro-batch: dict(gemm_fwd, gemm_bwd, attn_fwd, attn_bwd, elem_fwd, elem_bwd,
+    scores_fwd). gemm_*: the weight products; attn_*: the attention core (its backward holds FlashAttention's
+    recompute); elem_*: the memory-bound kernels, of which scores_fwd the written-out scores' (what selective
+    recomputation runs again beside attn_fwd);
     scale: bytes per value over 2 (1 for 16-bit training) for the memory-bound kernels."""
     t, cp, b = c.tp, c.cp, c.micro_batch
     h, s, f = spec.hidden, spec.seq_len, spec.ffn
@@ -62,10 +64,10 @@ def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, flash:
         gemm_fwd = gemm_fwd + times[0][0] * 2.0 * tokens * extra / qkv_flops
         gemm_bwd = gemm_bwd + times[0][1] * 2.0 * tokens * extra / qkv_flops
     attn_fwd, attn_bwd = attention_seconds(spec, cluster, c, fraction, hbm_fraction, flash)
-    traffic = layer_traffic(spec, c, flash)
-    elem = traffic * scale / (cluster.hbm_bw_gbps * 1e9 * hbm_fraction)  # forward
+    per_byte = scale / (cluster.hbm_bw_gbps * 1e9 * hbm_fraction)
+    elem = layer_traffic(spec, c, flash) * per_byte  # forward, the scores' passes included
     return dict(gemm_fwd=gemm_fwd, gemm_bwd=gemm_bwd, attn_fwd=attn_fwd, attn_bwd=attn_bwd, elem_fwd=elem,
-                elem_bwd=2 * elem)
+                elem_bwd=2 * elem, scores_fwd=scores_traffic(spec, c, flash) * per_byte)
 
 
 def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, flash: bool):
@@ -97,9 +99,16 @@ def layer_traffic(spec, c, flash: bool):
     sbh = c.micro_batch * (spec.seq_len / c.cp) * spec.hidden
     outside = 22 * sbh  # 2 norms, 2 bias-dropout-adds: outside the TP regions
     mlp = 16 * sbh * (spec.top_k * spec.capacity_factor if spec.moe else 1.0)  # bias + activation, per routed copy
-    written = 0.0 if flash else (c.recompute != 1).double()  # scores in memory: unfused, not selective
-    scores = 13.0 * spec.n_head * spec.seq_len * sbh / spec.hidden * written
-    return torch.where(c.sp > 0, outside / t, outside) + (mlp + scores) / t
+    return torch.where(c.sp > 0, outside / t, outside) + mlp / t + scores_traffic(spec, c, flash)
+
+
+def scores_traffic(spec, c, flash: bool):
+    """16-bit bytes the written-out scores cost one forward, one micro-batch, one GPU: 13 a s^2 b / t (c) with
+    unfused attention, whether or not they are kept (selective recomputation keeps none, and writes them again
+    when it recomputes the attention core); 0 with FlashAttention, which never writes them."""
+    if flash:
+        return torch.zeros_like(c.micro_batch)
+    return 13.0 * spec.n_head * spec.seq_len * c.micro_batch * (spec.seq_len / c.cp) / c.tp
 
 
 def layer_activations(spec, c, mode: int, flash: bool):

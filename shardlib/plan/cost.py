@@ -37,7 +37,10 @@ Seconds per step = m T + (p-1)/v T + PP sends + exposed DP + optimizer step + of
 micro-batch (forward + backward + exposed TP, CP, EP) on the slowest stage:
   compute       shardlib/plan/compute.py: each matrix product by the GPU's shape-dependent curve
                 (shardlib/plan/gemm.py), the attention core, memory-bound kernels at HBM bandwidth.
-                Full recomputation runs the forward again; selective, the attention core.
+                Full recomputation runs the forward again; selective, the attention core (its products and
+                its written-out scores). A recipe that adds each micro-batch's gradients into a separate sum
+                after the backward (memory.Recipe.accumulate: DeepSpeed's BF16_Optimizer) moves its bytes per
+                parameter of the stage at HBM bandwidth, once per micro-batch.
   TP            per micro-batch and layer 4 all-reduces of b (s/c) h (2 forward, 2 backward; arXiv
                 1909.08053), 6 with full recomputation; one for the embedding, one for the output layer, 3
                 of b s/c fp32 numbers for the vocabulary-parallel loss; with sequence parallelism the same
@@ -342,10 +345,12 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, opt
     out_fwd, out_bwd = output_layer_seconds(spec, cluster, c, fraction, hbm)
     full, selective = (c.recompute == 2).double(), (c.recompute == 1).double() * (not flash)
     gemm_fwd = layers * (one["gemm_fwd"] + one["attn_fwd"]) + last * out_fwd
-    redo = layers * (full * (one["gemm_fwd"] + one["attn_fwd"] + one["elem_fwd"]) + selective * one["attn_fwd"])
+    redo = layers * (full * (one["gemm_fwd"] + one["attn_fwd"] + one["elem_fwd"]) + selective * (one["attn_fwd"] + one["scores_fwd"]))
     gemm_bwd = layers * (one["gemm_bwd"] + one["attn_bwd"]) + last * out_bwd
     elem_fwd, elem_bwd = layers * one["elem_fwd"], layers * one["elem_bwd"]
-    forward_s, backward_s = gemm_fwd + elem_fwd, gemm_bwd + elem_bwd + redo
+    # gradients added into a separate sum after each backward, at HBM bandwidth (the recipe's `accumulate`)
+    accumulate_s = (psi_dense + psi_expert) * recipe.accumulate / (cluster.hbm_bw_gbps * 1e9 * hbm)
+    forward_s, backward_s = gemm_fwd + elem_fwd, gemm_bwd + elem_bwd + redo + accumulate_s
 
     dp_overlap = torch.as_tensor(options.overlap) & ((p == 1) | options.overlap_with_pipeline)  # per layout
     comm = stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, dp_overlap, options.link,
