@@ -345,7 +345,8 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, opt
     out_fwd, out_bwd = output_layer_seconds(spec, cluster, c, fraction, hbm)
     full, selective = (c.recompute == 2).double(), (c.recompute == 1).double() * (not flash)
     gemm_fwd = layers * (one["gemm_fwd"] + one["attn_fwd"]) + last * out_fwd
-    redo = layers * (full * (one["gemm_fwd"] + one["attn_fwd"] + one["elem_fwd"]) + selective * (one["attn_fwd"] + one["scores_fwd"]))
+    redo = layers * (full * (one["gemm_fwd"] + one["attn_fwd"] + one["elem_fwd"])
+                     + selective * (one["attn_fwd"] + one["scores_fwd"]))  # what recomputation runs again
     gemm_bwd = layers * (one["gemm_bwd"] + one["attn_bwd"]) + last * out_bwd
     elem_fwd, elem_bwd = layers * one["elem_fwd"], layers * one["elem_bwd"]
     # gradients added into a separate sum after each backward, at HBM bandwidth (the recipe's `accumulate`)
