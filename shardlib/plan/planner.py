@@ -10,6 +10,11 @@ cost model (shardlib/plan/cost.py: formulas and sources), keep what fits, rank b
 
 `python -m shardlib plan --model llama-70b --gpus 16` prints the same; `--evaluate` with `--tp --pp ...`
 prints one layout's breakdown. What can run is decided in shardlib/plan/rules.py.
+
+What it predicts is what Megatron-LM, Megatron-Core and Llama 3's training code reach: its constants are fitted
+on such runs and held against others (`--validate`). Another engine can be slower at the same layout: MT-NLG on
+DeepSpeed's pipeline engine took 18-22% longer than predicted (published.MT_NLG_MISS), so rank layouts with it,
+and measure a step before trusting its seconds there.
 """
 
 from __future__ import annotations
