@@ -248,7 +248,7 @@ def _mt_nlg(n_gpus: int, seconds: float, tflops: int) -> PublishedRun:
     spec = ModelSpec(105, 20480, 128, 51200, 2048, tied_embeddings=True, name="mt-nlg-530b")
     layout = Layout(dp=n_gpus // 280, tp=8, pp=35, recompute="full")
     return PublishedRun(f"MT-NLG 530B, {n_gpus:,} GPUs", spec, Cluster.of(n_gpus, **A100), layout, 1920, "mixed_adam",
-                        f"{seconds} s per iteration ({tflops} TFLOP/s)", seconds,
+                        f"{seconds} s ({tflops} TFLOP/s per GPU)", seconds,
                         "arXiv 2201.11990, Sec. 2.4 (as quoted in cli99/llm-analysis, examples/megatron-turing-nlg)",
                         overlap=False, attention="unfused", free=dict(micro_batch=(1, 2, 4)),
                         search=SOFTWARE["megatron-deepspeed-2022"],

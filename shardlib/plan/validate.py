@@ -114,13 +114,13 @@ def fit(runs: list[PublishedRun] | None = None, step: float = 0.02, passes: int 
 
 def format_table(rows: list[dict]) -> str:
     """The published runs, one line each: published and predicted step time, error, memory, rank and gap."""
-    lines = [f"{'run':<36} {'GPUs':>6} {'published':>26} {'step s':>8} {'pred.':>8} {'error':>7} {'GiB':>6} "
+    lines = [f"{'run':<42} {'GPUs':>6} {'published':>26} {'step s':>8} {'pred.':>8} {'error':>7} {'GiB':>6} "
              f"{'fits':>4} {'rank':>5} {'gap':>6}"]  # GiB ...!: it fits only in the headroom (planner.HEADROOM)
     for r in rows:
         step = f"{r['published_step_s']:.2f}" if r["published_step_s"] else "-"
         error = f"{r['error']:+.1%}" if r["error"] is not None else "-"
         gap = f"{r['gap']:.1%}" if r["gap"] is not None else "-"
-        lines.append(f"{r['run']:<36} {r['gpus']:>6} {r['published']:>26} {step:>8} {r['predicted_step_s']:>8.2f} "
+        lines.append(f"{r['run']:<42} {r['gpus']:>6} {r['published']:>26} {step:>8} {r['predicted_step_s']:>8.2f} "
                      f"{error:>7} {r['memory_gib']:>6.1f}{'!' if r['tight'] else ' '}{'yes' if r['fits'] else 'no':>4} "
                      f"{r['rank'] if r['rank'] else '-':>5} {gap:>6}")
     return "\n".join(lines)
