@@ -304,6 +304,24 @@ def open_from_file_browser(page, folder: str, name: str) -> None:
     wait_for_notebook(page, f"{folder}/{name}")
 
 
+def run_all_cells(page, cells: str) -> None:
+    """Run > Run All Cells, until a cell shows it is running (`[*]`). A menu click can be lost on a loaded machine
+    (seen once in the full suite on 2 cores): the menu is closed and clicked again, three times at most."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    for attempt in range(3):
+        page.locator(".lm-MenuBar-item", has_text="Run").click()
+        page.locator('.lm-Menu-item[data-command="runmenu:run-all"]').click()
+        try:
+            page.wait_for_function(f"[...document.querySelectorAll('{cells} .jp-InputPrompt')]"
+                                   ".some(p => p.textContent.includes('*'))", timeout=20_000)
+            return
+        except PlaywrightTimeout:
+            if attempt == 2:
+                raise
+            page.keyboard.press("Escape")  # a menu left open
+
+
 def wait_for_connections(port: int, timeout: float = 60) -> None:
     """Until the server accepts connections on `port`: its URL can be printed a moment before (a loaded machine)."""
     deadline = time.monotonic() + timeout
@@ -355,11 +373,8 @@ def test_the_main_command_in_a_browser(browser, tmp_path):
         assert "jp-mod-dirty" not in current_tab(page).get_attribute("class"), \
             "lesson 00 opens marked modified (its saved kernelspec differs from the environment's?)"
 
-        page.locator(".lm-MenuBar-item", has_text="Run").click()
-        page.locator('.lm-Menu-item[data-command="runmenu:run-all"]').click()  # Run > Run All Cells
         cells = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell"
-        page.wait_for_function(f"[...document.querySelectorAll('{cells} .jp-InputPrompt')]"
-                               ".some(p => p.textContent.includes('*'))", timeout=30_000)
+        run_all_cells(page, cells)  # Run > Run All Cells
         ran = time.monotonic()
         page.wait_for_function(f"""() => {{
             const prompts = [...document.querySelectorAll('{cells} .jp-InputPrompt')];
