@@ -282,22 +282,29 @@ def wait_for_notebook(page, path: str, timeout: float = 120_000) -> None:
                            timeout=timeout)
 
 
-def open_from_file_browser(page, folder: str, name: str) -> None:
-    """Home in the file browser's breadcrumbs, then a double click on the folder and on the notebook. A click on
-    Home that lands while the listing is being redrawn is lost (seen on a loaded 2-core machine): it is clicked
-    again until the course folder's listing shows the folder, three times at most."""
+def click_until(click, wait, undo=lambda: None, attempts: int = 3) -> None:
+    """`click()`, then `wait()` (a Playwright wait) for what it should bring about. A click that lands while the
+    page is being redrawn is lost on a loaded 2-core machine (seen in the full suite, on the file browser's Home
+    and on Run All): `undo()`, and click again, `attempts` times at most."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
+    for attempt in range(attempts):
+        click()
+        try:
+            wait()
+            return
+        except PlaywrightTimeout:
+            if attempt == attempts - 1:
+                raise
+            undo()
+
+
+def open_from_file_browser(page, folder: str, name: str) -> None:
+    """Home in the file browser's breadcrumbs, then a double click on the folder and on the notebook."""
     listing = page.locator(".jp-FileBrowser .jp-DirListing-content")
     entry = listing.get_by_text(folder, exact=True)
-    for attempt in range(3):
-        page.locator(".jp-FileBrowser .jp-BreadCrumbs-home").click()
-        try:
-            entry.wait_for(timeout=15_000)
-            break
-        except PlaywrightTimeout:
-            if attempt == 2:
-                raise
+    click_until(lambda: page.locator(".jp-FileBrowser .jp-BreadCrumbs-home").click(),
+                lambda: entry.wait_for(timeout=15_000))
     entry.dblclick()
     page.wait_for_selector(f".jp-FileBrowser .jp-BreadCrumbs >> text={folder}")
     listing.get_by_text(name, exact=True).dblclick()
@@ -305,21 +312,14 @@ def open_from_file_browser(page, folder: str, name: str) -> None:
 
 
 def run_all_cells(page, cells: str) -> None:
-    """Run > Run All Cells, until a cell shows it is running (`[*]`). A menu click can be lost on a loaded machine
-    (seen once in the full suite on 2 cores): the menu is closed and clicked again, three times at most."""
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
-
-    for attempt in range(3):
+    """Run > Run All Cells, until a cell shows it is running (`[*]`); a menu left open is closed before a retry."""
+    def click():
         page.locator(".lm-MenuBar-item", has_text="Run").click()
         page.locator('.lm-Menu-item[data-command="runmenu:run-all"]').click()
-        try:
-            page.wait_for_function(f"[...document.querySelectorAll('{cells} .jp-InputPrompt')]"
-                                   ".some(p => p.textContent.includes('*'))", timeout=20_000)
-            return
-        except PlaywrightTimeout:
-            if attempt == 2:
-                raise
-            page.keyboard.press("Escape")  # a menu left open
+
+    click_until(click, lambda: page.wait_for_function(f"[...document.querySelectorAll('{cells} .jp-InputPrompt')]"
+                                                      ".some(p => p.textContent.includes('*'))", timeout=20_000),
+                undo=lambda: page.keyboard.press("Escape"))
 
 
 def wait_for_connections(port: int, timeout: float = 60) -> None:

@@ -65,9 +65,10 @@ def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, flash:
         gemm_bwd = gemm_bwd + times[0][1] * 2.0 * tokens * extra / qkv_flops
     attn_fwd, attn_bwd = attention_seconds(spec, cluster, c, fraction, hbm_fraction, flash)
     per_byte = scale / (cluster.hbm_bw_gbps * 1e9 * hbm_fraction)
-    elem = layer_traffic(spec, c, flash) * per_byte  # forward, the scores' passes included
+    scores = scores_traffic(spec, c, flash) * per_byte
+    elem = layer_traffic(spec, c) * per_byte + scores  # forward
     return dict(gemm_fwd=gemm_fwd, gemm_bwd=gemm_bwd, attn_fwd=attn_fwd, attn_bwd=attn_bwd, elem_fwd=elem,
-                elem_bwd=2 * elem, scores_fwd=scores_traffic(spec, c, flash) * per_byte)
+                elem_bwd=2 * elem, scores_fwd=scores)
 
 
 def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, flash: bool):
@@ -93,13 +94,14 @@ def output_layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float)
     return forward + loss / 2, backward + loss / 2
 
 
-def layer_traffic(spec, c, flash: bool):
-    """16-bit bytes the memory-bound kernels of one layer move in forward, one micro-batch, one GPU."""
+def layer_traffic(spec, c):
+    """16-bit bytes the memory-bound kernels of one layer move in forward, one micro-batch, one GPU, the
+    written-out scores apart (scores_traffic)."""
     t = c.tp
     sbh = c.micro_batch * (spec.seq_len / c.cp) * spec.hidden
     outside = 22 * sbh  # 2 norms, 2 bias-dropout-adds: outside the TP regions
     mlp = 16 * sbh * (spec.top_k * spec.capacity_factor if spec.moe else 1.0)  # bias + activation, per routed copy
-    return torch.where(c.sp > 0, outside / t, outside) + mlp / t + scores_traffic(spec, c, flash)
+    return torch.where(c.sp > 0, outside / t, outside) + mlp / t
 
 
 def scores_traffic(spec, c, flash: bool):

@@ -349,8 +349,9 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, opt
                      + selective * (one["attn_fwd"] + one["scores_fwd"]))  # what recomputation runs again
     gemm_bwd = layers * (one["gemm_bwd"] + one["attn_bwd"]) + last * out_bwd
     elem_fwd, elem_bwd = layers * one["elem_fwd"], layers * one["elem_bwd"]
-    # gradients added into a separate sum after each backward, at HBM bandwidth (the recipe's `accumulate`)
-    accumulate_s = (psi_dense + psi_expert) * recipe.accumulate / (cluster.hbm_bw_gbps * 1e9 * hbm)
+    hbm_rate = cluster.hbm_bw_gbps * 1e9 * hbm  # bytes/s of the memory-bound passes over the model states
+    # gradients added into a separate sum after each backward (the recipe's `accumulate` bytes per parameter)
+    accumulate_s = (psi_dense + psi_expert) * recipe.accumulate / hbm_rate
     forward_s, backward_s = gemm_fwd + elem_fwd, gemm_bwd + elem_bwd + redo + accumulate_s
 
     dp_overlap = torch.as_tensor(options.overlap) & ((p == 1) | options.overlap_with_pipeline)  # per layout
@@ -358,7 +359,7 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, opt
                                options.scatter_gather, psi_dense, psi_expert, forward_s, backward_s)
     micro = forward_s + backward_s + comm.tp + comm.cp + comm.ep  # one micro-batch on this stage
     bubble = (p - 1) / v * micro
-    optimizer_s = sharded * (2 * recipe.optimizer + recipe.grads + e) / (cluster.hbm_bw_gbps * 1e9 * hbm)
+    optimizer_s = sharded * (2 * recipe.optimizer + recipe.grads + e) / hbm_rate
     offloaded = sharded * (c.offload > 0)
     cpu_adam = offloaded * (2 * recipe.optimizer + recipe.grads + e) / (cluster.host_mem_bw_gbps * 1e9)
     grads_down = offloaded * recipe.grads / (cluster.pcie_bw_gbps * 1e9)
