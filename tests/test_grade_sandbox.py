@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,6 +25,7 @@ from grade_helpers import (ANSWER, REPO_ROOT, double_solution, leftovers, light_
 from shardlib.course.grading.kernel import Kernel
 from shardlib.course.grading.notebook import code_cells, read_notebook
 from shardlib.course.grading.sandbox import bubblewrap, make_sandbox
+from shardlib.course.grading.stopping import GraderStopped, raise_if_stopped, stop_on_signals
 from shardlib.course.grading.tamper import Verifier, take_baseline, verify
 
 WRONG = "def double(x):\n    return x"  # fails both checks, whatever the checks rely on
@@ -350,6 +352,26 @@ def test_a_hanging_cell_is_interrupted_and_one_ignoring_it_ends_the_kernel(tmp_p
     assert found["outcome"] == "unresponsive" and returncode == 1, found
     assert found["checks"][4]["message"] == f"not run (kernel unresponsive after cell {found['checks'][3]['cell']})"
     print(f"interrupt-ignoring: score {found['score']}, exit {returncode}, {seconds:.1f} s")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped exception, on purpose
+def test_a_stop_dropped_where_python_ignores_exceptions_still_stops_the_grader():
+    # the handler raises wherever the main thread is; inside a weakref callback (the garbage collector's, at that
+    # moment) Python prints the exception and drops it, and the grader went on waiting for the notebook (seen once
+    # in the full suite). The signal is recorded, and the waiting loops raise it again (stopping.raise_if_stopped).
+    saved = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    try:
+        stop_on_signals()
+        raise_if_stopped()  # nothing received yet: nothing raised
+        handler = signal.getsignal(signal.SIGHUP)
+        thing = type("Referent", (), {})()
+        callback = weakref.ref(thing, lambda _: handler(signal.SIGHUP, None))  # noqa: F841 - alive until `del thing`
+        del thing  # the callback runs here; its GraderStopped is printed and dropped
+        with pytest.raises(GraderStopped, match="SIGHUP"):
+            raise_if_stopped()
+    finally:
+        for number, previous in saved.items():
+            signal.signal(number, previous)
 
 
 @pytest.mark.slow

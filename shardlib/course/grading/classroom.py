@@ -26,10 +26,10 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from shardlib.course.grading.grade import GraderStopped, stop_on_signals
 from shardlib.course.grading.notebook import GradeInputError, is_check, read_notebook
 from shardlib.course.grading.report import Report, cap, format_report
 from shardlib.course.grading.sandbox import ProcessTree, become_subreaper
+from shardlib.course.grading.stopping import GraderStopped, raise_if_stopped, stop_on_signals
 
 DID_NOT_RUN = ("kernel died", "out of memory", "timed out", "unresponsive", "error", "stopped", "not graded")
 WORKER_GRACE_S = 180  # past the notebook's own --timeout, a worker is killed
@@ -134,6 +134,8 @@ def grade_class(args) -> int:
         pending = set(futures)
         while pending:
             try:
+                if not workers.stopped:
+                    raise_if_stopped()  # a stop whose exception was dropped where the signal landed (stopping.py)
                 done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             except GraderStopped as stopped:
                 workers.stop(str(stopped))

@@ -12,10 +12,11 @@ import math
 import sys
 from pathlib import Path
 
-from shardlib.course.grading.grade import DEFAULT_CELL_TIMEOUT_S, DEFAULT_TIMEOUT_S, grade, stop_on_signals
+from shardlib.course.grading.grade import DEFAULT_CELL_TIMEOUT_S, DEFAULT_TIMEOUT_S, grade
 from shardlib.course.grading.notebook import GradeInputError, against_release, read_notebook
 from shardlib.course.grading.report import format_report
 from shardlib.course.grading.sandbox import DEFAULT_MEMORY_GIB, DEFAULT_PROCESSES, become_subreaper, check_isolation
+from shardlib.course.grading.stopping import stop_on_signals
 
 
 class Parser(argparse.ArgumentParser):

@@ -19,7 +19,6 @@ finds nothing changed. How each check can end:
 from __future__ import annotations
 
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -31,25 +30,13 @@ from shardlib.course.grading.notebook import (against_release, code_cells, fresh
 from shardlib.course.grading.report import CheckResult, Report, cap, error_message
 from shardlib.course.grading.review import review
 from shardlib.course.grading.sandbox import DEFAULT_MEMORY_GIB, DEFAULT_PROCESSES, make_sandbox
+from shardlib.course.grading.stopping import GraderStopped
 from shardlib.course.grading.tamper import Verifier, take_baseline, verify
 
 DEFAULT_TIMEOUT_S = 1800  # the whole run
 DEFAULT_CELL_TIMEOUT_S = 600  # one cell (shardlib.launch's own default timeout is 300 s)
 VERIFY_TIMEOUT_S = 120  # the grader's own code in the kernel, after a cell (the first imports what the labs use)
 OOM_MARKS = ("MemoryError", "can't allocate memory", "Cannot allocate memory", "out of memory")
-
-
-class GraderStopped(Exception):
-    """SIGTERM, SIGHUP or SIGINT reached the grader: it stops, kills everything, and still reports."""
-
-
-def stop_on_signals() -> None:
-    """Turn SIGTERM, SIGHUP and SIGINT into GraderStopped in the main thread (the clean-up then runs)."""
-    def handler(number, frame):
-        raise GraderStopped(signal.Signals(number).name)
-
-    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(number, handler)
 
 
 def grade(path: str | Path, release=None, timeout: float = DEFAULT_TIMEOUT_S,

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from shardlib.course.grading.sandbox import ProcessTree, Sandbox, Watch
+from shardlib.course.grading.stopping import raise_if_stopped
 
 INTERRUPT_GRACE_S = 10
 STARTUP_TIMEOUT_S = 120
@@ -119,6 +120,7 @@ class Kernel:
         run, deadline, interrupted = Run("ok"), started + timeout, False
         reply = None
         while reply is None:
+            raise_if_stopped()  # a stop whose exception was dropped where the signal landed (stopping.py)
             if time.monotonic() > deadline:
                 if interrupted:
                     run.status = "unresponsive"
