@@ -167,6 +167,6 @@ NAME_MAP = [
     ("pipeline_parallel.get_forward_backward_func() (1F1B)", "parallel.pipeline.pipeline_step(schedule='1f1b')",
      "05 §4"),
     ("virtual_pipeline_model_parallel_size (interleaved 1F1B)",
-     "parallel.schedules.bubble_formula: bubble (p-1)/(m+p-1), divided by v when interleaved", "05 §5"),
+     "parallel.schedules.bubble_formula: bubble (p-1)/(m+p-1); interleaved, (p-1)/(vm+p-1)", "05 §5"),
     ("DistributedDataParallel + distributed optimizer", "parallel.zero.ZeroOptimizer (ZeRO-1/2)", "03 §2-3"),
 ]
