@@ -49,8 +49,8 @@ from shardlib.plan import main as plan_main
 from shardlib.plan.fitted import FITTED
 from shardlib.plan.gemm import matmul_seconds
 from shardlib.plan.links import COMPUTE_SLOWDOWN, exposed
-from shardlib.plan.published import (BLOOM_LAYOUT_SEARCH, DEEPSPEED_BF16_OPTIMIZER, MEGATRON_2022, bloom_layout_search,
-                                     held_out_runs, megatron_2022_runs, training_runs)
+from shardlib.plan.published import (BLOOM_LAYOUT_SEARCH, DEEPSPEED_BF16_OPTIMIZER, MEGATRON_2022, MOSAIC_FSDP,
+                                     bloom_layout_search, fsdp_runs, held_out_runs, megatron_2022_runs, training_runs)
 from shardlib.plan.report import ASSUMPTIONS
 from shardlib.plan.validate import format_table as format_validation
 from shardlib.plan.validate import (format_side_by_side, format_sweeps, misses_lines, published_estimate,
@@ -545,6 +545,24 @@ def test_held_out_published_runs_meet_the_targets():
     print("\n".join(misses_lines(rows)))
     assert [name for name, _ in s["misses"]] == [f"MT-NLG 530B, {n:,} GPUs" for n in (2240, 2800, 3360)]
     assert all(-0.22 <= error <= -0.18 for _, error in s["misses"]), s["misses"]
+
+
+def test_fsdp_runs_of_another_engine_are_counted_predicted_and_explained():
+    # MosaicML's FSDP runs (published.fsdp_runs), held out and shown apart: another engine than the Megatron-class
+    # code the constants were fitted on. The sizes are checked against the tables' own NumParams, counted
+    # independently of ModelSpec; every published layout must fit the planner's memory; and wherever the planner
+    # prefers another layout, explain() must name what decides it. The step-time error is what it is: this set
+    # misses the held-out targets (70B on 64 A100 40GB is predicted 30% fast); the bounds only keep it from
+    # getting worse unseen
+    runs = fsdp_runs()
+    assert [run.spec.psi for run in runs] == [row[-1] for row in MOSAIC_FSDP], "MPT sizes against NumParams"
+    rows = table(runs)
+    print("\n" + format_validation(rows))
+    s = summary(rows)
+    assert s["n"] == len(MOSAIC_FSDP) == 27
+    assert not s["not_fitting"], f"published layouts the planner says do not fit: {s['not_fitting']}"
+    assert s["mean"] <= 0.08 and s["max"] <= 0.31, f"FSDP step-time error: mean {s['mean']:.1%}, max {s['max']:.1%}"
+    _ranks_are_explained(rows)
 
 
 def _ranks_are_explained(rows):

@@ -55,6 +55,14 @@ held_out_runs()
   table on DGX-H100 (NVIDIA/NeMo docs/source/performance/performance_summary.md): every dense row, among them
   Nemotron-340B on 128 GPUs (t 8, p 8, v 12, batch 32). Recomputation is not published: free.
 
+fsdp_runs(): held out too, and shown apart, as another engine: MosaicML's benchmark tables of MPT models trained
+with PyTorch FSDP in Composer (mosaicml/llm-foundry, scripts/train/benchmarking/README.md, "A100 80GB" and "A100
+40GB with 1600 Gbps node-node interconnect (RoCE)"): every row at 2,048 tokens, 27 runs of 125M to 70B parameters
+on 8 to 128 GPUs. Published: micro-batch, gradient accumulation, global batch, activation checkpointing (full
+recomputation), FSDP's sharding strategy (FULL_SHARD: ZeRO-3) and mixed precision (DEFAULT: gradients reduced in
+fp32; PURE: in bf16), and tokens per second per GPU: step = batch s / (N tokens/s). The sizes are those of the
+repository's scripts/train/yamls/pretrain/mpt-*.yaml, checked against the table's NumParams.
+
 bloom_layout_search(): five layouts of BLOOM timed side by side on its cluster before training (its chronicle):
 a check of the ranking itself, used for nothing else (validate.side_by_side). megatron_sweeps(): Megatron-LM's
 sweeps of one model over tensor, pipeline and data parallelism on 64 GPUs of the training set's cluster
@@ -150,6 +158,47 @@ MEGATRON_2022 = (
     (530, 128, 20480, 105, 8, 35, 280, 280, 49.05, 37.83),
     (1000, 160, 25600, 128, 8, 64, 512, 512, 94.42, 71.49),
 )
+# MosaicML's FSDP benchmarks (fsdp_runs, module docstring), as the tables give them: (GiB per GPU, MPT size, GPUs,
+# micro-batch, gradient accumulation, batch, tokens/s per GPU, activation checkpointing, mixed precision PURE,
+# NumParams)
+MOSAIC_FSDP = (
+    (80, "70b", 64, 8, 4, 2048, 410, True, True, 64862437376),
+    (80, "70b", 32, 2, 16, 1024, 373, True, True, 64862437376),
+    (80, "30b", 8, 3, 21, 504, 916, True, False, 29975214080),
+    (80, "13b", 8, 2, 3, 48, 2262, False, False, 12853954560),
+    (80, "7b", 8, 6, 2, 96, 4641, False, False, 6658859008),
+    (80, "3b", 8, 10, 2, 160, 10811, False, False, 2651837440),
+    (80, "1b", 8, 14, 4, 448, 20513, False, False, 1315950592),
+    (80, "760m", 8, 24, 2, 384, 32434, False, False, 760470528),
+    (80, "350m", 8, 32, 2, 512, 58782, False, False, 355985408),
+    (80, "125m", 8, 40, 2, 640, 142830, False, False, 125311488),
+    (80, "125m", 8, 32, 2, 512, 141737, False, False, 125311488),
+    (40, "70b", 128, 4, 1, 512, 376, True, True, 64862437376),
+    (40, "70b", 64, 2, 1, 128, 276, True, True, 64862437376),
+    (40, "30b", 128, 6, 1, 768, 865, True, True, 29975214080),
+    (40, "30b", 32, 4, 1, 128, 857, True, True, 29975214080),
+    (40, "13b", 128, 16, 1, 2048, 1972, True, True, 12853954560),
+    (40, "13b", 64, 16, 1, 1024, 1976, True, True, 12853954560),
+    (40, "13b", 32, 14, 1, 448, 1998, True, True, 12853954560),
+    (40, "13b", 16, 10, 1, 160, 1993, True, True, 12853954560),
+    (40, "13b", 8, 4, 16, 512, 1668, True, True, 12853954560),
+    (40, "7b", 128, 18, 1, 2304, 3623, True, True, 6658859008),
+    (40, "7b", 64, 18, 1, 1152, 3665, True, True, 6658859008),
+    (40, "7b", 32, 18, 1, 576, 3725, True, True, 6658859008),
+    (40, "7b", 16, 16, 1, 256, 3645, True, True, 6658859008),
+    (40, "7b", 8, 12, 4, 384, 3679, True, True, 6658859008),
+    (40, "3b", 128, 6, 1, 768, 9538, False, True, 2651837440),
+    (40, "3b", 64, 6, 1, 384, 9736, False, True, 2651837440),
+)
+# MPT sizes, llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml: (layers, d_model, heads); vocabulary 50,368,
+# expansion ratio 4, and MPT's defaults where the files say nothing (llmfoundry/models/mpt/configuration_mpt.py):
+# biases, a learned position table, LayerNorm, the output layer tied to the embedding; no dropout in the runs.
+# Counted by ModelSpec, every size has exactly the NumParams of the tables (tests/test_plan.py)
+MPT_SIZES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16),
+             "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 64),
+             "70b": (80, 8192, 64)}
+A100_40GB = dict(gpu="a100", gpu_mem_gib=40, hbm_bw_gbps=1555.0)  # A100 datasheet: 40GB SXM, 1,555 GB/s
+
 # Megatron-Turing NLG 530B on DeepSpeed's pipeline engine with Megatron's tensor parallelism (arXiv 2201.11990,
 # Sec. 2.4): t 8, p 35, batch 1,920 on 280, 350 and 420 DGX A100: (GPUs, seconds per iteration, TFLOP/s per GPU)
 MT_NLG = ((2240, 60.1, 126), (2800, 50.2, 121), (3360, 44.4, 113))
@@ -183,6 +232,10 @@ SOFTWARE = {
     # Megatron-LM in 2022 (arXiv 2205.05198): sequence parallelism and selective recomputation, interleaving; no
     # distributed optimizer, context parallelism or TP overlap yet
     "megatron-2022": dict(zero_stages=(0,), tp_overlap=(False,), max_cp=1),
+    # Composer's FSDP (MosaicML): data parallelism only, with FSDP's sharding strategies NO_SHARD, SHARD_GRAD_OP,
+    # FULL_SHARD (ZeRO 0, 2, 3) and activation checkpointing on or off; micro-batches up to the tables' 128
+    "composer-fsdp": dict(tp=1, pp=1, cp=1, zero_stages=(0, 2, 3), recompute=(None, "full"), sequence_parallel=(False,),
+                          tp_overlap=(False,), max_micro_batch=128),
     # Megatron-Core / NeMo in 2024: the distributed optimizer (ZeRO-1), no ZeRO-2 or -3
     "megatron-core-2024": dict(zero_stages=(0, 1)),
     # Llama 3's 4D parallelism (arXiv 2407.21783, Sec. 3.3.2) describes no overlap of TP communication, and its
@@ -392,6 +445,26 @@ def _nemo_24_07() -> list[PublishedRun]:
                                  "NVIDIA/NeMo docs/source/performance/performance_summary.md (24.07)",
                                  free=dict(recompute=(None, "selective", "full")), gpu="h100",
                                  search=SOFTWARE["megatron-core-2024"]))
+    return runs
+
+
+def mpt_spec(size: str) -> ModelSpec:
+    layers, hidden, heads = MPT_SIZES[size]
+    return ModelSpec(layers, hidden, heads, 50368, 2048, tied_embeddings=True, dropout=False, name=f"mpt-{size}")
+
+
+def fsdp_runs() -> list[PublishedRun]:
+    """MosaicML's FSDP runs (MOSAIC_FSDP): held out, shown apart as another engine."""
+    runs = []
+    for gib, size, n, micro, accumulation, batch, tokens_s, checkpointing, pure, _ in MOSAIC_FSDP:
+        cluster = Cluster.of(n, **(A100 if gib == 80 else A100_40GB))
+        layout = Layout(dp=n, zero=3, micro_batch=micro, recompute="full" if checkpointing else None)
+        runs.append(PublishedRun(
+            f"MPT-{size}, {n} A100 {gib}GB, b {micro} x {accumulation}", mpt_spec(size), cluster, layout, batch,
+            "mixed_adam" if pure else "mixed_adam_fp32_grads", f"{tokens_s:,} tokens/s per GPU",
+            batch * 2048 / (n * tokens_s), f"mosaicml/llm-foundry scripts/train/benchmarking/README.md, A100 {gib}GB",
+            search=SOFTWARE["composer-fsdp"],
+            assumed="FSDP gathers the bf16 weights and reduce-scatters the gradients every micro-batch (no no_sync)"))
     return runs
 
 

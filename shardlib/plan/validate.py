@@ -12,7 +12,8 @@ the pick is predicted (negative: a published layout that fits only in the headro
 the published layout. side_by_side() holds the ranking itself against layouts of one model timed on one cluster
 (BLOOM's, before its training): predicted and measured step time, each over the fastest measured. sweeps() holds
 it against Megatron-LM's sweeps of Figures 13-15: the order of the predicted throughputs against the order the
-paper reports.
+paper reports. report() prints the two sets, then the held-out runs of another engine (published.fsdp_runs(): PyTorch
+FSDP, as MosaicML ran it) apart, with their own figures.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import math
 
 from shardlib.plan.fitted import FITTED
 from shardlib.plan.planner import NoLayoutFits, plan, predict
-from shardlib.plan.published import (PublishedRun, bloom_layout_search, held_out_runs, megatron_flops, megatron_sweeps,
-                                     training_runs)
+from shardlib.plan.published import (PublishedRun, bloom_layout_search, fsdp_runs, held_out_runs, megatron_flops,
+                                     megatron_sweeps, training_runs)
 
 
 def _options(run: PublishedRun, constants: dict) -> dict:
@@ -199,7 +200,10 @@ def ranking_line(rows: list[dict]) -> str:
 def report(rank: bool = True) -> str:
     """Both sets, their summaries, and for every run whose layout is not the planner's pick, what decides it."""
     out = []
-    for title, runs in (("training set (fits shardlib/plan/fitted.py)", training_runs()), ("held-out set", held_out_runs())):
+    groups = (("training set (fits shardlib/plan/fitted.py)", training_runs()), ("held-out set", held_out_runs()),
+              ("held-out set, another engine: PyTorch FSDP in MosaicML's Composer (llm-foundry's benchmark tables)",
+               fsdp_runs()))
+    for title, runs in groups:
         rows = table(runs, rank)
         s = summary(rows)
         out += [title, format_table(rows),
