@@ -13,8 +13,9 @@ prints one layout's breakdown. What can run is decided in shardlib/plan/rules.py
 
 What it predicts is what Megatron-LM, Megatron-Core and Llama 3's training code reach: its constants are fitted
 on such runs and held against others (`--validate`). Another engine can be slower at the same layout: MT-NLG on
-DeepSpeed's pipeline engine took 18-22% longer than predicted (published.MT_NLG_MISS), so rank layouts with it,
-and measure a step before trusting its seconds there.
+DeepSpeed's pipeline engine took 18-22% longer than predicted (published.MT_NLG_MISS), and most of MosaicML's
+PyTorch FSDP runs longer too (published.fsdp_runs), so rank layouts with it, and measure a step before trusting its
+seconds there.
 """
 
 from __future__ import annotations

@@ -198,7 +198,7 @@ def ranking_line(rows: list[dict]) -> str:
 
 
 def report(rank: bool = True) -> str:
-    """Both sets, their summaries, and for every run whose layout is not the planner's pick, what decides it."""
+    """Each set, its summary, and for every run whose layout is not the planner's pick, what decides it."""
     out = []
     groups = (("training set (fits shardlib/plan/fitted.py)", training_runs()), ("held-out set", held_out_runs()),
               ("held-out set, another engine: PyTorch FSDP in MosaicML's Composer (llm-foundry's benchmark tables)",
