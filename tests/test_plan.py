@@ -54,8 +54,8 @@ from shardlib.plan.published import (BLOOM_LAYOUT_SEARCH, DEEPSPEED_BF16_OPTIMIZ
                                      mpt_spec, training_runs)
 from shardlib.plan.report import ASSUMPTIONS
 from shardlib.plan.validate import format_table as format_validation
-from shardlib.plan.validate import (format_side_by_side, format_sweeps, misses_lines, published_estimate,
-                                    side_by_side, summary, sweeps, table)
+from shardlib.plan.validate import (checkpointing_pairs, format_side_by_side, format_sweeps, lean_lines,
+                                    misses_lines, published_estimate, side_by_side, summary, sweeps, table)
 from shardlib.plan.inference import inference_table, predict_inference
 from shardlib.reference import model_loss
 
@@ -565,6 +565,23 @@ def test_fsdp_runs_of_another_engine_are_counted_predicted_and_explained():
     assert not s["not_fitting"], f"published layouts the planner says do not fit: {s['not_fitting']}"
     assert s["mean"] <= 0.10 and s["max"] <= 0.31, f"FSDP step-time error: mean {s['mean']:.1%}, max {s['max']:.1%}"
     _ranks_are_explained(rows)
+    # which way the error leans, per recomputation: each line's count and mean, against the layouts' own names
+    lines = lean_lines(rows)
+    print("\n".join(lines))
+    for name, tag in (("full", "full-recompute"), ("none", "no-recompute")):
+        errors = [r["error"] for r in rows if tag in r["layout"]]
+        line = next(x for x in lines if x.startswith(f"  recomputation {name}:"))
+        assert f"{len(errors)} runs, error mean {sum(errors) / len(errors):+.1%}" in line, line
+    assert len(lines) == 2
+    # the planner's claim behind most disagreements (drop checkpointing where it fits) against the runs that test it:
+    # 7B and 13B on 8 A100s ran without it (80GB table) and with it (40GB); measured: the tables' own tokens/s
+    pairs = checkpointing_pairs(runs)
+    tokens_s = {(size, table): speed for table, size, n, *_, speed, _, _ in MOSAIC_FSDP if n == 8}
+    assert [(r["model"], r["gpus"]) for r in pairs] == [("mpt-13b", 8), ("mpt-7b", 8)]
+    for r in pairs:
+        size = r["model"].removeprefix("mpt-")
+        assert r["measured"] == pytest.approx(tokens_s[size, "a100-80gb"] / tokens_s[size, "a100-40gb"])
+        assert r["measured"] > 1 and r["predicted"] > 1, r  # both say dropping it is faster
 
 
 def _ranks_are_explained(rows):

@@ -10,7 +10,10 @@ the default search on the same GPUs, model, batch and software (recipe, overlap,
 planner's own pick (the fastest that leaves planner.HEADROOM of the GPU free), and `gap` says how much faster
 the pick is predicted (negative: a published layout that fits only in the headroom, faster than the pick). explain() names the single assumption the pick rests on when it is not
 the published layout. side_by_side() holds the ranking itself against layouts of one model timed on one cluster
-(BLOOM's, before its training): predicted and measured step time, each over the fastest measured. sweeps() holds
+(BLOOM's, before its training): predicted and measured step time, each over the fastest measured; checkpointing_pairs() holds the planner's
+most frequent claim on the FSDP runs (drop activation checkpointing where it fits) against the models MosaicML ran
+both with and without it on as many GPUs; lean_lines() says which way a set's error leans, per recomputation, where
+a mean says only how far. sweeps() holds
 it against Megatron-LM's sweeps of Figures 13-15: the order of the predicted throughputs against the order the
 paper reports. report() prints the two sets, then the held-out runs of another engine (published.fsdp_runs(): PyTorch
 FSDP, as MosaicML ran it) apart, with their own figures.
@@ -58,7 +61,7 @@ def validate(run: PublishedRun, rank: bool = True, **constants) -> dict:
                published=run.published, published_step_s=run.step_s, predicted_step_s=e.step_s,
                error=e.step_s / run.step_s - 1 if run.step_s else None, memory_gib=e.memory_bytes / 2**30,
                fits=e.fits, tight=e.tight, assumed=run.assumed, free=", ".join(run.free), rank=None, gap=None,
-               best=None, deciding="", known_miss=run.known_miss)
+               best=None, deciding="", known_miss=run.known_miss, recompute=e.layout.recompute or "none")
     if rank and e.fits and run.step_s:  # memory-only runs (FP8 products, or no step time) are not ranked
         result = plan(run.spec, run.cluster, run.global_batch, **_options(run, constants), **run.search)
         place, found = result.find(e.layout)
@@ -154,6 +157,35 @@ def format_side_by_side(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def checkpointing_pairs(runs: list[PublishedRun] | None = None) -> list[dict]:
+    """The claim behind most of the planner's disagreements with the FSDP runs (drop activation checkpointing where
+    the activations fit) held against runs that test it: the same model on as many GPUs of one kind, once without
+    checkpointing and once with (MosaicML ran them in different tables: A100 80GB without, 40GB with). For each
+    pair, tokens/s per GPU without over with, measured and predicted; each run is predicted on its own table's
+    GPU (HBM bandwidth, memory), so the tables' difference is in both ratios."""
+    found = {}
+    for run in runs if runs is not None else fsdp_runs():
+        key = (run.spec.name, run.cluster.n_gpus, run.gpu)
+        found.setdefault(key, {}).setdefault(run.layout.recompute, run)
+    rows = []
+    for (model, n, gpu), pair in found.items():
+        if None not in pair or "full" not in pair:
+            continue
+        without, with_ = pair[None], pair["full"]
+        speed = lambda run, step: run.global_batch * run.spec.seq_len / (n * step)  # noqa: E731 tokens/s per GPU
+        rows.append(dict(model=model, gpus=n, gpu=gpu, without=without.name, with_=with_.name,
+                         measured=speed(without, without.step_s) / speed(with_, with_.step_s),
+                         predicted=speed(without, published_estimate(without).step_s)
+                         / speed(with_, published_estimate(with_).step_s)))
+    return rows
+
+
+def format_checkpointing_pairs(rows: list[dict]) -> str:
+    return "\n".join(f"{r['model']} on {r['gpus']} {r['gpu'].upper()}: without checkpointing ({r['without']}) over with "
+                     f"({r['with_']}): tokens/s per GPU measured x{r['measured']:.2f}, predicted x{r['predicted']:.2f}"
+                     for r in rows)
+
+
 def sweeps() -> list[dict]:
     """Megatron-LM's sweeps of Figures 13-15 (published.megatron_sweeps()): per figure and batch, the planner's
     TFLOP/s per GPU for each layout (counted as the paper counts them, eq. 3) and whether their order is the one
@@ -189,6 +221,18 @@ def misses_lines(rows: list[dict]) -> list[str]:
     return [f"  missed, outside these figures: {', '.join(names)}: {why}" for why, names in reasons.items()]
 
 
+def lean_lines(rows: list[dict]) -> list[str]:
+    """Which way the error leans, by how much each layout recomputes: the signed step-time error (negative:
+    predicted faster than published) of the runs in the figures, per recomputation. A mean near zero with a wide
+    spread is noise; a group all on one side is something the model does not count for that group."""
+    groups = {}
+    for r in rows:
+        if r["error"] is not None and not r["known_miss"]:
+            groups.setdefault(r["recompute"], []).append(r["error"])
+    return [f"  recomputation {name}: {len(errors)} runs, error mean {sum(errors) / len(errors):+.1%}, from "
+            f"{min(errors):+.1%} to {max(errors):+.1%}" for name, errors in sorted(groups.items())]
+
+
 def ranking_line(rows: list[dict]) -> str:
     """How many published layouts are predicted within 5% of the planner's pick, and which are further (gap)."""
     ranked = [r for r in rows if r["gap"] is not None]
@@ -210,7 +254,7 @@ def report(rank: bool = True) -> str:
                 f"step-time error over {s['n']} runs: mean {s['mean']:.1%}, max {s['max']:.1%}; published layouts "
                 f"predicted not to fit: {s['not_fitting'] or 'none'}",
                 ranking_line(rows)]
-        out += misses_lines(rows)
+        out += lean_lines(rows) + misses_lines(rows)
         out += [f"  {r['run']}: {r['layout']}; the planner's pick {r['best']}; {r['deciding']}" for r in rows
                 if r["deciding"]]
         free = sorted({r["free"] for r in rows if r["free"]})
@@ -218,6 +262,8 @@ def report(rank: bool = True) -> str:
     out += ["BLOOM's layouts timed side by side on its cluster, held out (x: step time over the fastest measured; "
             "GB: the most a GPU used, as its chronicle reports it, and the planner's memory)",
             format_side_by_side(side_by_side()), "",
+            "The FSDP runs' activation checkpointing, where one model ran with and without it on as many GPUs:",
+            format_checkpointing_pairs(checkpointing_pairs()), "",
             "Megatron-LM's sweeps on 64 A100 of the training set's cluster (predicted TFLOP/s per GPU; the paper's "
             "plots are held by the order its text reports, quoted)",
             format_sweeps(sweeps())]
