@@ -14,6 +14,7 @@ time predicted from the course's formulas; and, for inference, weights and KV ca
     planner.py    the search: candidate layouts, predict one, plan (rank what fits)
     ledger.py     per_gpu: one GPU's memory and collectives item by item, to hold against a measurement
     published.py  published training runs, a training set and a held-out set
+    mosaic.py     MosaicML's FSDP benchmarks: another engine, held out apart, and its attention kernel's fit
     validate.py   the planner against them: error, memory, rank of the published layout; the fit
     inference.py  serving: weights + KV cache per GPU, bytes per token under TP and PP
     report.py     the ranked table and its legend, why the best layout wins, one layout's breakdown

@@ -18,6 +18,7 @@ import sys
 from dataclasses import asdict
 
 from shardlib import memory
+from shardlib.plan.cost import ATTENTION
 from shardlib.plan.inference import GPU_SIZES_GIB, format_inference_table, inference_table, predict_inference
 from shardlib.plan.inputs import CP_METHODS, GPUS, PRESETS, Cluster, Layout, count_text, load_model
 from shardlib.plan.planner import HEADROOM, NoLayoutFits, plan, predict
@@ -64,8 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                           "GPU, shardlib/plan/fitted.py)")
     job.add_argument("--no-overlap", action="store_true", help="expose all data-parallel communication (default: "
                      "overlapped with compute by the rule of shardlib/plan/links.py)")
-    job.add_argument("--attention", default="flash", choices=("flash", "unfused"), help="FlashAttention (default) "
-                     "or the scores written out")
+    job.add_argument("--attention", default="flash", choices=ATTENTION, help="FlashAttention-2 (default), "
+                     "FlashAttention's Triton kernel (at its fitted speed, shardlib/plan/fitted.py), or the scores "
+                     "written out")
     job.add_argument("--reserve-gib", type=float, default=0.0, help="GiB per GPU kept free beyond the estimate "
                      "(which counts the CUDA context and NCCL's buffers)")
     job.add_argument("--headroom", type=float, default=HEADROOM, help="share of the rest a recommended layout leaves "
@@ -224,10 +226,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _validate(args) -> int:
-    from shardlib.plan.validate import fit, report
+    from shardlib.plan.validate import fit, fit_attention, report
 
     if args.fit:
         print("fitted on the training runs:", fit())
+        print("FlashAttention's Triton kernel, fitted on MosaicML's runs at other lengths than 2,048 tokens:",
+              {gpu: fit_attention(gpu) for gpu in ("a100", "h100")})
         return 0
     print(report())
     return 0

@@ -11,6 +11,8 @@ selective recomputation one more forward. FlashAttention (arXiv 2205.14135, 2307
 the scores: its causal kernel skips the masked half of the blocks, and its backward recomputes them,
 2.5 x the forward's FLOPs (five products against two). It reaches 50-73% of an A100's peak (FlashAttention-2,
 arXiv 2307.08691, abstract), against 85.9% for a large product: FLASH_FRACTION of the matmul ceiling.
+FlashAttention's Triton kernel (attention="flash-triton", as MosaicML's benchmarks ran it) does the same work at
+its own fitted share of the peak (Cluster.triton_attention, shardlib/plan/fitted.py).
 Memory-bound kernels between the products, 16-bit, per layer forward: 2 norms (read + write 2 s b h each:
 8 s b h), bias + activation of the MLP (16 s b h), 2 bias-dropout-adds (7 s b h each, masks 1 byte) and,
 with unfused attention, 13 a s^2 b of scores (Q K^T output 2, softmax 4,
@@ -37,12 +39,14 @@ def vocab_rows(spec, t):
     return torch.ceil(spec.vocab_size / t)
 
 
-def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, flash: bool, scale: float = 1.0):
+def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, flash: bool, scale: float = 1.0,
+                  triton: bool = False):
     """Seconds of one layer, one micro-batch: dict(gemm_fwd, gemm_bwd, attn_fwd, attn_bwd, elem_fwd, elem_bwd,
     scores_fwd). gemm_*: the weight products; attn_*: the attention core (its backward holds FlashAttention's
     recompute); elem_*: the memory-bound kernels, of which scores_fwd the written-out scores' (what selective
     recomputation runs again beside attn_fwd);
-    scale: bytes per value over 2 (1 for 16-bit training) for the memory-bound kernels."""
+    scale: bytes per value over 2 (1 for 16-bit training) for the memory-bound kernels; triton: FlashAttention's
+    Triton kernel instead of FlashAttention-2."""
     t, cp, b = c.tp, c.cp, c.micro_batch
     h, s, f = spec.hidden, spec.seq_len, spec.ffn
     tokens = b * s / cp
@@ -63,7 +67,7 @@ def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, flash:
         qkv_flops = 2.0 * tokens * (h + 2 * kv) / t * h
         gemm_fwd = gemm_fwd + times[0][0] * 2.0 * tokens * extra / qkv_flops
         gemm_bwd = gemm_bwd + times[0][1] * 2.0 * tokens * extra / qkv_flops
-    attn_fwd, attn_bwd = attention_seconds(spec, cluster, c, fraction, hbm_fraction, flash)
+    attn_fwd, attn_bwd = attention_seconds(spec, cluster, c, fraction, hbm_fraction, flash, triton)
     per_byte = scale / (cluster.hbm_bw_gbps * 1e9 * hbm_fraction)
     scores = scores_traffic(spec, c, flash) * per_byte
     elem = layer_traffic(spec, c) * per_byte + scores  # forward
@@ -71,13 +75,16 @@ def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, flash:
                 elem_bwd=2 * elem, scores_fwd=scores)
 
 
-def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, flash: bool):
-    """(forward, backward) seconds of Q K^T and A V on this rank's b a / t heads of (s / c) x s scores."""
+def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, flash: bool, triton: bool = False):
+    """(forward, backward) seconds of Q K^T and A V on this rank's b a / t heads of (s / c) x s scores; triton:
+    FlashAttention's Triton kernel, at its fitted share of the GPU's peak (Cluster.triton_attention)."""
     t, cp, b, s, d = c.tp, c.cp, c.micro_batch, spec.seq_len, spec.head_dim
     heads = b * spec.n_head / t
     if flash:
         flops = 4.0 * heads * (s / cp) * s * d * 0.5  # causal: the kernel skips the masked half
         rate = cluster.matmul_tflops * 1e12 * fraction * FLASH_FRACTION
+        if triton:
+            rate = cluster.peak_tflops * 1e12 * cluster.triton_attention
         return flops / rate, FLASH_BACKWARD * flops / rate
     scores = forward_backward_seconds(s / cp, s, d, cluster, fraction, hbm_fraction, heads)
     values = forward_backward_seconds(s / cp, d, s, cluster, fraction, hbm_fraction, heads)

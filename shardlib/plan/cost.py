@@ -101,7 +101,7 @@ from shardlib.plan.inputs import Cluster
 from shardlib.plan.links import exposed
 from shardlib.plan.model import ModelSpec
 
-ATTENTION = ("flash", "unfused")
+ATTENTION = ("flash", "flash-triton", "unfused")  # FlashAttention-2, its Triton kernel, scores written
 
 
 class _Columns:
@@ -330,7 +330,7 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, opt
     """Memory, bytes sent and seconds of the GPUs of pipeline stage k (a column of stage indices); with
     collectives=True also the list of cost_comm.Collective that makes up the bytes sent."""
     recipe = memory.get_recipe(options.recipe)
-    flash = options.attention == "flash"
+    flash = options.attention != "unfused"  # no s x s scores kept or written
     d, t, p, v = c.dp, c.tp, c.pp, c.virtual
     e = recipe.params
     m = global_batch / (d * c.micro_batch)
@@ -341,7 +341,7 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, opt
     # -- compute, per micro-batch --------------------------------------------------------
     fraction = cluster.matmul_fraction if options.efficiency is None else options.efficiency
     hbm = options.hbm
-    one = layer_seconds(spec, cluster, c, fraction, hbm, flash, e / 2)
+    one = layer_seconds(spec, cluster, c, fraction, hbm, flash, e / 2, options.attention == "flash-triton")
     out_fwd, out_bwd = output_layer_seconds(spec, cluster, c, fraction, hbm)
     full, selective = (c.recompute == 2).double(), (c.recompute == 1).double() * (not flash)
     gemm_fwd = layers * (one["gemm_fwd"] + one["attn_fwd"]) + last * out_fwd

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from shardlib.plan.fitted import FITTED
+from shardlib.plan.fitted import ATTENTION_TRITON, FITTED
 from shardlib.plan.model import PRESETS, ModelSpec, count_text, load_model  # noqa: F401  (re-exported)
 
 GiB = 2**30
@@ -35,7 +35,8 @@ class Cluster:
     for 8 GPUs. matmul_tflops: the fastest bf16 matrix product measured on the GPU, n_sm its
     streaming multiprocessors (shardlib/plan/gemm.py; GPUS below; without a measurement, the A100's
     267.9 / 312 of peak_tflops), matmul_fraction the part of that rate a training job's products reach
-    (fitted, shardlib/plan/fitted.py; the A100's by default). alpha_us: latency per step of a
+    (fitted, shardlib/plan/fitted.py; the A100's by default), triton_attention the part of peak_tflops
+    FlashAttention's Triton kernel reaches (fitted, the same file). alpha_us: latency per step of a
     ring collective: an 8-byte all-reduce over 2 NVLink A100s takes 9.85 us for its 2 steps
     (https://github.com/NVIDIA/nccl-tests/issues/331)."""
 
@@ -52,6 +53,7 @@ class Cluster:
     matmul_tflops: float | None = None  # None: peak_tflops x 267.9 / 312, the A100's measured ratio
     n_sm: int = 108
     matmul_fraction: float = FITTED["a100"]
+    triton_attention: float = ATTENTION_TRITON["a100"]  # of peak_tflops: FlashAttention's Triton kernel (fitted.py)
 
     def __post_init__(self):
         if self.matmul_tflops is None:  # a GPU without a measurement: the A100's measured fraction of its peak
@@ -92,7 +94,8 @@ GPUS = {
     "a100": dict(gpu_mem_gib=80.0, peak_tflops=312.0, matmul_tflops=A100_MATMUL, n_sm=108, hbm_bw_gbps=2039.0,
                  intra_bw_gbps=300.0, inter_bw_gbps=25.0, pcie_bw_gbps=32.0, matmul_fraction=FITTED["a100"]),
     "h100": dict(gpu_mem_gib=80.0, peak_tflops=989.0, matmul_tflops=792.1, n_sm=132, hbm_bw_gbps=3350.0,
-                 intra_bw_gbps=450.0, inter_bw_gbps=50.0, pcie_bw_gbps=64.0, matmul_fraction=FITTED["h100"]),
+                 intra_bw_gbps=450.0, inter_bw_gbps=50.0, pcie_bw_gbps=64.0, matmul_fraction=FITTED["h100"],
+                 triton_attention=ATTENTION_TRITON["h100"]),
 }
 
 

@@ -13,9 +13,11 @@ prints one layout's breakdown. What can run is decided in shardlib/plan/rules.py
 
 What it predicts is what Megatron-LM, Megatron-Core and Llama 3's training code reach: its constants are fitted
 on such runs and held against others (`--validate`). Another engine can be slower at the same layout: MT-NLG on
-DeepSpeed's pipeline engine took 18-22% longer than predicted (published.MT_NLG_MISS), and most of MosaicML's
-PyTorch FSDP runs longer too (published.fsdp_runs), so rank layouts with it, and measure a step before trusting its
-seconds there.
+DeepSpeed's pipeline engine took 18-22% longer than predicted (published.MT_NLG_MISS). On PyTorch FSDP as MosaicML
+ran it (shardlib/plan/mosaic.py, with its Triton attention kernel: attention="flash-triton") the error leans by
+recomputation: runs without it take longer than predicted, runs with it less, and the same model on the same GPUs
+ran at about the same MFU with it as without (validate.checkpointing_pairs), so there the planner overrates dropping
+activation checkpointing. Rank layouts with it, and measure a step before trusting its seconds.
 """
 
 from __future__ import annotations
@@ -192,7 +194,7 @@ def _candidate_rows(spec: ModelSpec, cluster: Cluster, global_batch: int, *, dp=
     check_batch(global_batch)
     n, g, L, s = cluster.n_gpus, cluster.gpus_per_node, spec.n_layer, spec.seq_len
     fixed = lambda value, size: value is None or value == size  # noqa: E731
-    if attention == "flash" and None in recompute:  # FlashAttention keeps no scores: selective is no recomputation
+    if attention != "unfused" and None in recompute:  # FlashAttention keeps no scores: selective is no recomputation
         recompute = [r for r in recompute if r != "selective"]
     rows = []
     for t in _divisors(n):
@@ -267,7 +269,7 @@ class Plan:
     def find(self, layout: Layout) -> tuple[int | None, Estimate | None]:
         """(rank, estimate) of `layout` in this plan: rank 1 is the best; (None, estimate) when it does not
         fit, (None, None) when it is outside the search. With FlashAttention, selective recomputation is none."""
-        if self.options.attention == "flash" and layout.recompute == "selective":
+        if self.options.attention != "unfused" and layout.recompute == "selective":
             layout = replace(layout, recompute=None)
         for i, e in enumerate(self.ranked):
             if e.layout == layout:
@@ -300,8 +302,8 @@ def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_
     fraction of the GPU's measured matmul ceiling its products reach (default: the cluster's fitted
     matmul_fraction); overlap: overlap data-parallel communication with compute, as PyTorch's DDP and FSDP
     and Megatron's --overlap-grad-reduce do (default), paying the overlap rule of shardlib/plan/links.py;
-    attention: "flash" (FlashAttention, default) or "unfused" (the scores written out, as Megatron-LM in
-    2021-22); reserve_gib: memory per GPU kept free; headroom: the share of the rest a recommended layout leaves
+    attention: "flash" (FlashAttention-2, default), "flash-triton" (FlashAttention's Triton kernel, as MosaicML's
+    benchmarks ran it: shardlib/plan/mosaic.py) or "unfused" (the scores written out, as Megatron-LM in 2021-22); reserve_gib: memory per GPU kept free; headroom: the share of the rest a recommended layout leaves
     free (default 0.2: no out-of-memory error below 80% in arXiv 2411.06465's 454 runs; 0 ranks every layout
     that fits by time alone); link_efficiency (inside a node, across),
     hbm_efficiency: the fractions of the links' and of HBM's bandwidth reached (fitted,

@@ -1,8 +1,8 @@
 """Published training runs the planner is held against: what ran, on what, and how long a step took.
 
 Training and held-out runs, never mixed. training_runs() fix the cost model's free constants
-(shardlib/plan/fitted.py, by shardlib.plan.validate.fit()); held_out_runs() and fsdp_runs() (another engine, shown
-apart) are used for nothing but the error they report. Every
+(shardlib/plan/fitted.py, by shardlib.plan.validate.fit()); held_out_runs() and mosaic.fsdp_runs() (another engine,
+shown apart) are used for nothing but the error they report. Every
 figure is the source's; what a source does not publish is either chosen by the planner among the
 settings the source allows (`free`: the best that fits, said in the table) or assumed and said
 (`assumed`). `search` narrows the ranking to what the run's software could do (SOFTWARE).
@@ -56,13 +56,7 @@ held_out_runs()
   table on DGX-H100 (NVIDIA/NeMo docs/source/performance/performance_summary.md): every dense row, among them
   Nemotron-340B on 128 GPUs (t 8, p 8, v 12, batch 32). Recomputation is not published: free.
 
-fsdp_runs(): held out too, and shown apart, as another engine: MosaicML's benchmark tables of MPT models trained
-with PyTorch FSDP in Composer (mosaicml/llm-foundry, scripts/train/benchmarking/README.md, "H100 80GB BF16", "A100
-80GB" and "A100 40GB with 1600 Gbps node-node interconnect (RoCE)"): every row at 2,048 tokens, 47 runs of 125M to
-70B parameters on 8 to 128 GPUs. Published: micro-batch, gradient accumulation, global batch, activation checkpointing (full
-recomputation), FSDP's sharding strategy (FULL_SHARD: ZeRO-3) and mixed precision (DEFAULT: gradients reduced in
-fp32; PURE: in bf16), and tokens per second per GPU: step = batch s / (N tokens/s). The sizes are those of the
-repository's scripts/train/yamls/pretrain/mpt-*.yaml, checked against the table's NumParams.
+MosaicML's FSDP benchmarks, another engine, are in shardlib/plan/mosaic.py: held out too, and shown apart.
 
 bloom_layout_search(): five layouts of BLOOM timed side by side on its cluster before training (its chronicle):
 a check of the ranking itself, used for nothing else (validate.side_by_side). megatron_sweeps(): Megatron-LM's
@@ -159,71 +153,6 @@ MEGATRON_2022 = (
     (530, 128, 20480, 105, 8, 35, 280, 280, 49.05, 37.83),
     (1000, 160, 25600, 128, 8, 64, 512, 512, 94.42, 71.49),
 )
-# MosaicML's FSDP benchmarks (fsdp_runs, module docstring), as the tables give them: (table, MPT size, GPUs,
-# micro-batch, gradient accumulation, batch, tokens/s per GPU, activation checkpointing, mixed precision PURE)
-MOSAIC_FSDP = (
-    ("a100-80gb", "70b", 64, 8, 4, 2048, 410, True, True),
-    ("a100-80gb", "70b", 32, 2, 16, 1024, 373, True, True),
-    ("a100-80gb", "30b", 8, 3, 21, 504, 916, True, False),
-    ("a100-80gb", "13b", 8, 2, 3, 48, 2262, False, False),
-    ("a100-80gb", "7b", 8, 6, 2, 96, 4641, False, False),
-    ("a100-80gb", "3b", 8, 10, 2, 160, 10811, False, False),
-    ("a100-80gb", "1b", 8, 14, 4, 448, 20513, False, False),
-    ("a100-80gb", "760m", 8, 24, 2, 384, 32434, False, False),
-    ("a100-80gb", "350m", 8, 32, 2, 512, 58782, False, False),
-    ("a100-80gb", "125m", 8, 40, 2, 640, 142830, False, False),
-    ("a100-80gb", "125m", 8, 32, 2, 512, 141737, False, False),
-    ("a100-40gb", "70b", 128, 4, 1, 512, 376, True, True),
-    ("a100-40gb", "70b", 64, 2, 1, 128, 276, True, True),
-    ("a100-40gb", "30b", 128, 6, 1, 768, 865, True, True),
-    ("a100-40gb", "30b", 32, 4, 1, 128, 857, True, True),
-    ("a100-40gb", "13b", 128, 16, 1, 2048, 1972, True, True),
-    ("a100-40gb", "13b", 64, 16, 1, 1024, 1976, True, True),
-    ("a100-40gb", "13b", 32, 14, 1, 448, 1998, True, True),
-    ("a100-40gb", "13b", 16, 10, 1, 160, 1993, True, True),
-    ("a100-40gb", "13b", 8, 4, 16, 512, 1668, True, True),
-    ("a100-40gb", "7b", 128, 18, 1, 2304, 3623, True, True),
-    ("a100-40gb", "7b", 64, 18, 1, 1152, 3665, True, True),
-    ("a100-40gb", "7b", 32, 18, 1, 576, 3725, True, True),
-    ("a100-40gb", "7b", 16, 16, 1, 256, 3645, True, True),
-    ("a100-40gb", "7b", 8, 12, 4, 384, 3679, True, True),
-    ("a100-40gb", "3b", 128, 6, 1, 768, 9538, False, True),
-    ("a100-40gb", "3b", 64, 6, 1, 384, 9736, False, True),
-    ("h100-80gb", "70b", 64, 8, 4, 2048, 1039, True, False),
-    ("h100-80gb", "70b", 32, 2, 16, 1024, 882, True, False),
-    ("h100-80gb", "30b", 32, 14, 3, 1344, 2308, True, False),
-    ("h100-80gb", "30b", 16, 10, 3, 480, 2263, True, False),
-    ("h100-80gb", "30b", 8, 3, 21, 504, 2002, True, False),
-    ("h100-80gb", "13b", 64, 2, 1, 128, 4800, False, False),
-    ("h100-80gb", "13b", 32, 2, 1, 64, 4811, False, False),
-    ("h100-80gb", "13b", 16, 2, 1, 32, 4767, False, False),
-    ("h100-80gb", "13b", 8, 2, 1, 16, 4792, False, False),
-    ("h100-80gb", "7b", 8, 6, 1, 48, 10643, False, False),
-    ("h100-80gb", "3b", 64, 6, 3, 1152, 22525, False, False),
-    ("h100-80gb", "3b", 32, 6, 3, 576, 23021, False, False),
-    ("h100-80gb", "3b", 16, 10, 3, 480, 24142, False, False),
-    ("h100-80gb", "1b", 64, 20, 1, 1280, 44402, False, False),
-    ("h100-80gb", "1b", 32, 20, 1, 640, 45130, False, False),
-    ("h100-80gb", "1b", 16, 20, 1, 320, 46037, False, False),
-    ("h100-80gb", "1b", 8, 14, 1, 112, 45455, False, False),
-    ("h100-80gb", "760m", 32, 24, 1, 768, 67971, False, False),
-    ("h100-80gb", "760m", 16, 24, 1, 384, 68551, False, False),
-    ("h100-80gb", "760m", 8, 24, 2, 384, 63147, False, False),
-)
-# MPT sizes, llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml: (layers, d_model, heads), and the tables'
-# NumParams; vocabulary 50,368, expansion ratio 4, and MPT's defaults where the files say nothing
-# (llmfoundry/models/mpt/configuration_mpt.py): biases, a learned position table, LayerNorm, the output layer tied to
-# the embedding; no dropout in the runs. Counted by ModelSpec, every size has exactly its NumParams (tests/test_plan.py)
-MPT_SIZES = {"125m": ((12, 768, 12), 125311488), "350m": ((24, 1024, 16), 355985408),
-             "760m": ((24, 1536, 12), 760470528), "1b": ((24, 2048, 16), 1315950592),
-             "3b": ((32, 2560, 20), 2651837440), "7b": ((32, 4096, 32), 6658859008),
-             "13b": ((40, 5120, 40), 12853954560), "30b": ((48, 7168, 64), 29975214080),
-             "70b": ((80, 8192, 64), 64862437376)}
-# the tables' GPUs: A100 80GB and 40GB (datasheet: 40GB SXM, 1,555 GB/s of HBM) with 1,600 Gb/s per node of 8, as
-# the tables say; H100 80GB with the planner's DGX H100 figures (400 Gb/s per GPU between nodes: assumed)
-MOSAIC_GPUS = {"a100-80gb": dict(gpu="a100"), "a100-40gb": dict(gpu="a100", gpu_mem_gib=40, hbm_bw_gbps=1555.0),
-               "h100-80gb": dict(gpu="h100")}
-
 # Megatron-Turing NLG 530B on DeepSpeed's pipeline engine with Megatron's tensor parallelism (arXiv 2201.11990,
 # Sec. 2.4): t 8, p 35, batch 1,920 on 280, 350 and 420 DGX A100: (GPUs, seconds per iteration, TFLOP/s per GPU)
 MT_NLG = ((2240, 60.1, 126), (2800, 50.2, 121), (3360, 44.4, 113))
@@ -470,27 +399,6 @@ def _nemo_24_07() -> list[PublishedRun]:
                                  "NVIDIA/NeMo docs/source/performance/performance_summary.md (24.07)",
                                  free=dict(recompute=(None, "selective", "full")), gpu="h100",
                                  search=SOFTWARE["megatron-core-2024"]))
-    return runs
-
-
-def mpt_spec(size: str) -> ModelSpec:
-    (layers, hidden, heads), _ = MPT_SIZES[size]
-    return ModelSpec(layers, hidden, heads, 50368, 2048, tied_embeddings=True, dropout=False, name=f"mpt-{size}")
-
-
-def fsdp_runs() -> list[PublishedRun]:
-    """MosaicML's FSDP runs (MOSAIC_FSDP): held out, shown apart as another engine."""
-    runs = []
-    for table, size, n, micro, accumulation, batch, tokens_s, checkpointing, pure in MOSAIC_FSDP:
-        cluster = Cluster.of(n, **MOSAIC_GPUS[table])
-        layout = Layout(dp=n, zero=3, micro_batch=micro, recompute="full" if checkpointing else None)
-        name = f"MPT-{size}, {n} {table.replace('-', ' ').upper()}, b {micro} x {accumulation}"
-        runs.append(PublishedRun(
-            name, mpt_spec(size), cluster, layout, batch, "mixed_adam" if pure else "mixed_adam_fp32_grads",
-            f"{tokens_s:,} tokens/s per GPU", batch * 2048 / (n * tokens_s),
-            f"mosaicml/llm-foundry scripts/train/benchmarking/README.md, {table}", gpu=MOSAIC_GPUS[table]["gpu"],
-            search=SOFTWARE["composer-fsdp"],
-            assumed="FSDP gathers the bf16 weights and reduce-scatters the gradients every micro-batch (no no_sync)"))
     return runs
 
 

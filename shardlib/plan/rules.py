@@ -21,8 +21,8 @@ def check_options(cluster: Cluster, efficiency, overlap, reserve_gib: float, att
         raise ValueError(f"efficiency must be in (0, 1], the fraction of the GPU's measured matmul ceiling "
                          f"(Cluster.matmul_tflops) the products reach; got {efficiency!r}")
     if attention not in ATTENTION:
-        raise ValueError(f"attention must be one of {ATTENTION} (FlashAttention, or scores written out), "
-                         f"got {attention!r}")
+        raise ValueError(f"attention must be one of {ATTENTION} (FlashAttention-2, FlashAttention's Triton kernel, "
+                         f"or the scores written out), got {attention!r}")
     if not isinstance(overlap, bool):
         raise ValueError(f"overlap must be True (data-parallel communication overlapped with compute) or False; "
                          f"got {overlap!r}")

@@ -2,7 +2,7 @@
 where each published layout ranks in the planner's own search; and the fit of the free constants.
 
     python -m shardlib plan --validate          # both sets: error, fits, rank and gap to the best
-    python -m shardlib plan --validate --fit    # refit cost.FITTED on the training set (prints; edit cost.py)
+    python -m shardlib plan --validate --fit    # refit fitted.py's constants on their runs (prints; edit fitted.py)
 
 validate(run) predicts the published layout (its free knobs chosen by the planner among those the source
 allows: the fastest that fits, leaving the headroom free where one does), then ranks it among every layout of
@@ -12,21 +12,25 @@ the pick is predicted (negative: a published layout that fits only in the headro
 the published layout. side_by_side() holds the ranking itself against layouts of one model timed on one cluster
 (BLOOM's, before its training): predicted and measured step time, each over the fastest measured; checkpointing_pairs() holds the planner's
 most frequent claim on the FSDP runs (drop activation checkpointing where it fits) against the models MosaicML ran
-both with and without it on as many GPUs; lean_lines() says which way a set's error leans, per recomputation, where
-a mean says only how far. sweeps() holds
+with and without it on the same GPUs of one table; lean_lines() says which way a set's error leans, per recomputation, where
+a mean says only how far. fit() fits fitted.FITTED on the training set, fit_attention() the speed of
+FlashAttention's Triton kernel (fitted.ATTENTION_TRITON) on MosaicML's runs at other lengths than 2,048 tokens
+(mosaic.fsdp_training_runs), never on a held-out run. sweeps() holds
 it against Megatron-LM's sweeps of Figures 13-15: the order of the predicted throughputs against the order the
-paper reports. report() prints the two sets, then the held-out runs of another engine (published.fsdp_runs(): PyTorch
+paper reports. report() prints the two sets, then the held-out runs of another engine (mosaic.fsdp_runs(): PyTorch
 FSDP, as MosaicML ran it) apart, with their own figures.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from shardlib.plan.fitted import FITTED
+from shardlib.plan.mosaic import fsdp_runs, fsdp_training_runs
 from shardlib.plan.planner import NoLayoutFits, plan, predict
-from shardlib.plan.published import (PublishedRun, bloom_layout_search, fsdp_runs, held_out_runs, megatron_flops,
-                                     megatron_sweeps, training_runs)
+from shardlib.plan.published import (PublishedRun, bloom_layout_search, held_out_runs, megatron_flops, megatron_sweeps,
+                                     training_runs)
 
 
 def _options(run: PublishedRun, constants: dict) -> dict:
@@ -116,6 +120,23 @@ def fit(runs: list[PublishedRun] | None = None, step: float = 0.02, passes: int 
     return best
 
 
+def attention_loss(gpu: str, fraction: float, runs: list[PublishedRun] | None = None) -> float:
+    """Squared log step-time error of the runs of `gpu` (default: mosaic.fsdp_training_runs()) with FlashAttention's
+    Triton kernel at `fraction` of the GPU's peak."""
+    runs = [r for r in (runs if runs is not None else fsdp_training_runs()) if r.gpu == gpu]
+    at = [replace(r, cluster=replace(r.cluster, triton_attention=fraction)) for r in runs]
+    return sum(math.log(row["predicted_step_s"] / row["published_step_s"]) ** 2 for row in table(at, rank=False))
+
+
+def fit_attention(gpu: str, runs: list[PublishedRun] | None = None) -> float:
+    """The share of `gpu`'s peak FlashAttention's Triton kernel reaches (fitted.ATTENTION_TRITON): the one that
+    minimises attention_loss on MosaicML's runs at other lengths than 2,048 tokens, to 0.01 (a search over 0.04 to
+    0.98 by 0.02, then the neighbours of the best)."""
+    loss = lambda x: attention_loss(gpu, round(x, 2), runs)  # noqa: E731
+    best = min((x / 100 for x in range(4, 100, 2)), key=loss)
+    return round(min((best - 0.01, best, best + 0.01), key=loss), 2)
+
+
 def format_table(rows: list[dict]) -> str:
     """The published runs, one line each: published and predicted step time, error, memory, rank and gap."""
     lines = [f"{'run':<42} {'GPUs':>6} {'published':>26} {'step s':>8} {'pred.':>8} {'error':>7} {'GiB':>6} "
@@ -157,33 +178,37 @@ def format_side_by_side(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def checkpointing_pairs(runs: list[PublishedRun] | None = None) -> list[dict]:
+def checkpointing_pairs() -> list[dict]:
     """The claim behind most of the planner's disagreements with the FSDP runs (drop activation checkpointing where
-    the activations fit) held against runs that test it: the same model on as many GPUs of one kind, once without
-    checkpointing and once with (MosaicML ran them in different tables: A100 80GB without, 40GB with). For each
-    pair, tokens/s per GPU without over with, measured and predicted; each run is predicted on its own table's
-    GPU (HBM bandwidth, memory), so the tables' difference is in both ratios."""
-    found = {}
-    for run in runs if runs is not None else fsdp_runs():
-        key = (run.spec.name, run.cluster.n_gpus, run.gpu)
-        found.setdefault(key, {}).setdefault(run.layout.recompute, run)
+    the activations fit) held against the runs in one table that test it: MPT-7B and -13B on the same 8 GPUs, without
+    checkpointing at 2,048 tokens (mosaic.fsdp_runs) and with it at 1,024 and 4,096 (mosaic.fsdp_training_runs). The
+    sequence lengths differ, so each pair is compared by MFU (the planner's count of model FLOPs, the same for
+    measured and predicted: mfu()), measured (from the published step time) and predicted, without over with."""
+    key = lambda run: (run.spec.name, run.cluster.n_gpus, run.source)  # noqa: E731 the same model, GPUs and table
+    without = {key(run): run for run in fsdp_runs() if run.layout.recompute is None}
     rows = []
-    for (model, n, gpu), pair in found.items():
-        if None not in pair or "full" not in pair:
+    for run in fsdp_training_runs():
+        if run.layout.recompute != "full" or run.spec.seq_len not in (1024, 4096) or key(run) not in without:
             continue
-        without, with_ = pair[None], pair["full"]
-        speed = lambda run, step: run.global_batch * run.spec.seq_len / (n * step)  # noqa: E731 tokens/s per GPU
-        rows.append(dict(model=model, gpus=n, gpu=gpu, without=without.name, with_=with_.name,
-                         measured=speed(without, without.step_s) / speed(with_, with_.step_s),
-                         predicted=speed(without, published_estimate(without).step_s)
-                         / speed(with_, published_estimate(with_).step_s)))
+        other = without[key(run)]
+        measured, predicted = [], []
+        for r in (other, run):
+            e = published_estimate(r)
+            measured.append(e.mfu * e.step_s / r.step_s)
+            predicted.append(e.mfu)
+        rows.append(dict(without=other.name, with_=run.name, mfu_measured=measured, mfu_predicted=predicted,
+                         measured=measured[0] / measured[1], predicted=predicted[0] / predicted[1]))
     return rows
 
 
 def format_checkpointing_pairs(rows: list[dict]) -> str:
-    return "\n".join(f"{r['model']} on {r['gpus']} {r['gpu'].upper()}: without checkpointing ({r['without']}) over with "
-                     f"({r['with_']}): tokens/s per GPU measured x{r['measured']:.2f}, predicted x{r['predicted']:.2f}"
-                     for r in rows)
+    lines = [f"{'without checkpointing (2,048 tokens)':<36} {'with it':<40} {'MFU measured':>14} {'MFU predicted':>14} "
+             f"{'ratio meas.':>11} {'ratio pred.':>11}"]
+    for r in rows:
+        (a, b), (c, d) = r["mfu_measured"], r["mfu_predicted"]
+        lines.append(f"{r['without']:<36} {r['with_']:<40} {a:>6.1%} {b:>6.1%} {c:>6.1%} {d:>6.1%} "
+                     f"{r['measured']:>11.2f} {r['predicted']:>11.2f}")
+    return "\n".join(lines)
 
 
 def sweeps() -> list[dict]:
@@ -245,8 +270,8 @@ def report(rank: bool = True) -> str:
     """Each set, its summary, and for every run whose layout is not the planner's pick, what decides it."""
     out = []
     groups = (("training set (fits shardlib/plan/fitted.py)", training_runs()), ("held-out set", held_out_runs()),
-              ("held-out set, another engine: PyTorch FSDP in MosaicML's Composer (llm-foundry's benchmark tables)",
-               fsdp_runs()))
+              ("held-out set, another engine: PyTorch FSDP in MosaicML's Composer (llm-foundry's benchmark tables, "
+               "its attention kernel fitted on their other sequence lengths)", fsdp_runs()))
     for title, runs in groups:
         rows = table(runs, rank)
         s = summary(rows)
@@ -262,7 +287,8 @@ def report(rank: bool = True) -> str:
     out += ["BLOOM's layouts timed side by side on its cluster, held out (x: step time over the fastest measured; "
             "GB: the most a GPU used, as its chronicle reports it, and the planner's memory)",
             format_side_by_side(side_by_side()), "",
-            "The FSDP runs' activation checkpointing, where one model ran with and without it on as many GPUs:",
+            "The FSDP runs' activation checkpointing: one model on the same 8 GPUs of one table without it (2,048 tokens) "
+            "and with it (1,024 and 4,096 tokens), MFU measured and predicted, and without over with",
             format_checkpointing_pairs(checkpointing_pairs()), "",
             "Megatron-LM's sweeps on 64 A100 of the training set's cluster (predicted TFLOP/s per GPU; the paper's "
             "plots are held by the order its text reports, quoted)",

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 __all__ = ["meta_execution", "MetaShapeCache", "gpu_kernels_on_meta", "ATTENTION"]
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
-ATTENTION = ("flash", "unfused")  # the planner's names (shardlib.plan.predict)
+ATTENTION = ("flash", "unfused")  # the planner's names for what a layer keeps ("flash-triton" keeps what "flash" keeps)
 
 
 @contextmanager
