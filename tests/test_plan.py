@@ -47,6 +47,7 @@ from shardlib.parallel.zero_stages import apply_zero
 from shardlib.plan import Cluster, Layout, ModelSpec, NoLayoutFits, candidate_layouts, per_gpu, plan, predict
 from shardlib.plan import main as plan_main
 from shardlib.plan.fitted import ATTENTION_TRITON, FITTED
+from shardlib.plan.compute import FLASH_FRACTION
 from shardlib.plan.gemm import matmul_seconds
 from shardlib.plan.links import COMPUTE_SLOWDOWN, exposed
 from shardlib.plan.mosaic import MOSAIC_RUNS, fsdp_runs, fsdp_training_runs, mpt_spec
@@ -405,6 +406,23 @@ def test_selective_recomputation_writes_the_scores_again():
     flash = [predict(spec, cluster, Layout(tp=8, micro_batch=2, recompute=mode), 4).costs.time.elementwise
              for mode in (None, "selective")]
     assert flash[0] == pytest.approx(flash[1]) and flash[0] < plain.elementwise
+
+
+def test_triton_attention_keeps_what_flash_keeps_at_its_own_speed():
+    # attention="flash-triton" (FlashAttention's Triton kernel, as MosaicML ran it): the same activations as
+    # FlashAttention-2, and its attention core at Cluster.triton_attention of the peak instead of FLASH_FRACTION of
+    # the products' rate: the compute differs by the attention FLOPs over each rate, counted here from the formula
+    # (causal: half of 4 b a s^2 d per layer forward, backward 2.5 times the forward; nothing else changes)
+    spec, cluster, b = ModelSpec(4, 1024, 8, 32000, 4096), Cluster.of(8, gpu="h100"), 2
+    layout = Layout(dp=8, micro_batch=b)
+    flash, triton = (predict(spec, cluster, layout, 8 * b, attention=kind) for kind in ("flash", "flash-triton"))
+    assert triton.memory_bytes == flash.memory_bytes
+    flops = 4 * (1 + 2.5) * 4 * b * 8 * 4096 ** 2 * 128 * 0.5  # layers, fwd + bwd, 4 b a s^2 d / 2
+    rate_flash = cluster.matmul_tflops * 1e12 * cluster.matmul_fraction * FLASH_FRACTION
+    rate_triton = cluster.peak_tflops * 1e12 * cluster.triton_attention
+    assert triton.costs.time.compute - flash.costs.time.compute == pytest.approx(flops / rate_triton - flops / rate_flash)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        predict(spec, cluster, layout, 8 * b, attention="triton")
 
 
 @pytest.mark.slow
