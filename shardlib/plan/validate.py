@@ -4,21 +4,21 @@ where each published layout ranks in the planner's own search; and the fit of th
     python -m shardlib plan --validate          # both sets: error, fits, rank and gap to the best
     python -m shardlib plan --validate --fit    # refit fitted.py's constants on their runs (prints; edit fitted.py)
 
-validate(run) predicts the published layout (its free knobs chosen by the planner among those the source
-allows: the fastest that fits, leaving the headroom free where one does), then ranks it among every layout of
-the default search on the same GPUs, model, batch and software (recipe, overlap, attention): rank 1 is the
-planner's own pick (the fastest that leaves planner.HEADROOM of the GPU free), and `gap` says how much faster
-the pick is predicted (negative: a published layout that fits only in the headroom, faster than the pick). explain() names the single assumption the pick rests on when it is not
-the published layout. side_by_side() holds the ranking itself against layouts of one model timed on one cluster
-(BLOOM's, before its training): predicted and measured step time, each over the fastest measured; checkpointing_pairs() holds the planner's
-most frequent claim on the FSDP runs (drop activation checkpointing where it fits) against the models MosaicML ran
-with and without it on the same GPUs of one table; lean_lines() says which way a set's error leans, per recomputation, where
-a mean says only how far. fit() fits fitted.FITTED on the training set, fit_attention() the speed of
-FlashAttention's Triton kernel (fitted.ATTENTION_TRITON) on MosaicML's runs at other lengths than 2,048 tokens
-(mosaic.fsdp_training_runs), never on a held-out run. sweeps() holds
-it against Megatron-LM's sweeps of Figures 13-15: the order of the predicted throughputs against the order the
-paper reports. report() prints the two sets, then the held-out runs of another engine (mosaic.fsdp_runs(): PyTorch
-FSDP, as MosaicML ran it) apart, with their own figures.
+validate(run) predicts the published layout (its free knobs chosen by the planner among those the source allows: the
+fastest that fits, leaving the headroom free where one does), then ranks it among every layout of the default search
+on the same GPUs, model, batch and software (recipe, overlap, attention): rank 1 is the planner's own pick (the
+fastest that leaves planner.HEADROOM of the GPU free), and `gap` says how much faster the pick is predicted
+(negative: a published layout that fits only in the headroom, faster than the pick). explain() names the single
+assumption the pick rests on when it is not the published layout. side_by_side() holds the ranking itself against
+layouts of one model timed on one cluster (BLOOM's, before its training): predicted and measured step time, each
+over the fastest measured; checkpointing_pairs() holds the planner's most frequent claim on the FSDP runs (drop
+activation checkpointing where it fits) against the models MosaicML ran with and without it on the same GPUs of one
+table; lean_lines() says which way a set's error leans, per recomputation, where a mean says only how far. fit()
+fits fitted.FITTED on the training set, fit_attention() the speed of FlashAttention's Triton kernel
+(fitted.ATTENTION_TRITON) on MosaicML's runs at other lengths than 2,048 tokens (mosaic.fsdp_training_runs), never
+on a held-out run. sweeps() holds it against Megatron-LM's sweeps of Figures 13-15: the order of the predicted
+throughputs against the order the paper reports. report() prints the two sets, then the held-out runs of another
+engine (mosaic.fsdp_runs(): PyTorch FSDP, as MosaicML ran it) apart, with their own figures.
 """
 
 from __future__ import annotations
