@@ -606,10 +606,11 @@ def test_the_advice_to_drop_checkpointing_is_held_against_one_table():
     assert len(pairs) == 8
     row = {(table, size, seq, n, micro): (speed, params) for table, size, seq, n, micro, _, _, speed, *_, params
            in MOSAIC_RUNS}
+    by_name = {run.name: run for run in fsdp_runs() + fsdp_training_runs()}
     for r in pairs:
         ratio = []
         for name in (r["without"], r["with_"]):
-            run = next(x for x in fsdp_runs() + fsdp_training_runs() if x.name == name)
+            run = by_name[name]
             table_ = run.source.rsplit(", ", 1)[1]
             size = run.spec.name.removeprefix("mpt-")
             speed, params = row[table_, size, run.spec.seq_len, run.cluster.n_gpus, run.layout.micro_batch]

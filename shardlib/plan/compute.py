@@ -82,9 +82,8 @@ def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, fl
     heads = b * spec.n_head / t
     if flash:
         flops = 4.0 * heads * (s / cp) * s * d * 0.5  # causal: the kernel skips the masked half
-        rate = cluster.matmul_tflops * 1e12 * fraction * FLASH_FRACTION
-        if triton:
-            rate = cluster.peak_tflops * 1e12 * cluster.triton_attention
+        rate = (cluster.peak_tflops * 1e12 * cluster.triton_attention if triton
+                else cluster.matmul_tflops * 1e12 * fraction * FLASH_FRACTION)
         return flops / rate, FLASH_BACKWARD * flops / rate
     scores = forward_backward_seconds(s / cp, s, d, cluster, fraction, hbm_fraction, heads)
     values = forward_backward_seconds(s / cp, d, s, cluster, fraction, hbm_fraction, heads)

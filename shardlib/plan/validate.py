@@ -124,8 +124,7 @@ def attention_loss(gpu: str, fraction: float, runs: list[PublishedRun] | None = 
     """Squared log step-time error of the runs of `gpu` (default: mosaic.fsdp_training_runs()) with FlashAttention's
     Triton kernel at `fraction` of the GPU's peak."""
     runs = [r for r in (runs if runs is not None else fsdp_training_runs()) if r.gpu == gpu]
-    at = [replace(r, cluster=replace(r.cluster, triton_attention=fraction)) for r in runs]
-    return sum(math.log(row["predicted_step_s"] / row["published_step_s"]) ** 2 for row in table(at, rank=False))
+    return _loss([replace(r, cluster=replace(r.cluster, triton_attention=fraction)) for r in runs], {})
 
 
 def fit_attention(gpu: str, runs: list[PublishedRun] | None = None) -> float:
