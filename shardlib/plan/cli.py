@@ -66,8 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     job.add_argument("--no-overlap", action="store_true", help="expose all data-parallel communication (default: "
                      "overlapped with compute by the rule of shardlib/plan/links.py)")
     job.add_argument("--attention", default="flash", choices=ATTENTION, help="FlashAttention-2 (default), "
-                     "FlashAttention's Triton kernel (at its fitted speed, shardlib/plan/fitted.py), or the scores "
-                     "written out")
+                     "FlashAttention's Triton kernel (at its fitted speed, shardlib/plan/fitted.py, which "
+                     "--efficiency leaves alone), or the scores written out")
     job.add_argument("--reserve-gib", type=float, default=0.0, help="GiB per GPU kept free beyond the estimate "
                      "(which counts the CUDA context and NCCL's buffers)")
     job.add_argument("--headroom", type=float, default=HEADROOM, help="share of the rest a recommended layout leaves "

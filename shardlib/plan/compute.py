@@ -39,14 +39,13 @@ def vocab_rows(spec, t):
     return torch.ceil(spec.vocab_size / t)
 
 
-def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, flash: bool, scale: float = 1.0,
-                  triton: bool = False):
+def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attention: str, scale: float = 1.0):
     """Seconds of one layer, one micro-batch: dict(gemm_fwd, gemm_bwd, attn_fwd, attn_bwd, elem_fwd, elem_bwd,
     scores_fwd). gemm_*: the weight products; attn_*: the attention core (its backward holds FlashAttention's
     recompute); elem_*: the memory-bound kernels, of which scores_fwd the written-out scores' (what selective
     recomputation runs again beside attn_fwd);
-    scale: bytes per value over 2 (1 for 16-bit training) for the memory-bound kernels; triton: FlashAttention's
-    Triton kernel instead of FlashAttention-2."""
+    attention: the kernel (cost.ATTENTION); scale: bytes per value over 2 (1 for 16-bit training) for the
+    memory-bound kernels."""
     t, cp, b = c.tp, c.cp, c.micro_batch
     h, s, f = spec.hidden, spec.seq_len, spec.ffn
     tokens = b * s / cp
@@ -67,22 +66,24 @@ def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, flash:
         qkv_flops = 2.0 * tokens * (h + 2 * kv) / t * h
         gemm_fwd = gemm_fwd + times[0][0] * 2.0 * tokens * extra / qkv_flops
         gemm_bwd = gemm_bwd + times[0][1] * 2.0 * tokens * extra / qkv_flops
-    attn_fwd, attn_bwd = attention_seconds(spec, cluster, c, fraction, hbm_fraction, flash, triton)
+    attn_fwd, attn_bwd = attention_seconds(spec, cluster, c, fraction, hbm_fraction, attention)
     per_byte = scale / (cluster.hbm_bw_gbps * 1e9 * hbm_fraction)
-    scores = scores_traffic(spec, c, flash) * per_byte
+    scores = scores_traffic(spec, c, flash=attention != "unfused") * per_byte
     elem = layer_traffic(spec, c) * per_byte + scores  # forward
     return dict(gemm_fwd=gemm_fwd, gemm_bwd=gemm_bwd, attn_fwd=attn_fwd, attn_bwd=attn_bwd, elem_fwd=elem,
                 elem_bwd=2 * elem, scores_fwd=scores)
 
 
-def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, flash: bool, triton: bool = False):
-    """(forward, backward) seconds of Q K^T and A V on this rank's b a / t heads of (s / c) x s scores; triton:
-    FlashAttention's Triton kernel, at its fitted share of the GPU's peak (Cluster.triton_attention)."""
+def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attention: str):
+    """(forward, backward) seconds of Q K^T and A V on this rank's b a / t heads of (s / c) x s scores, by the
+    kernel `attention` (cost.ATTENTION). FlashAttention-2 runs at FLASH_FRACTION of the products' rate, so
+    `fraction` scales it; FlashAttention's Triton kernel at its own fitted share of the GPU's peak
+    (Cluster.triton_attention), which `fraction` does not change: it is a measured kernel's speed, not a product's."""
     t, cp, b, s, d = c.tp, c.cp, c.micro_batch, spec.seq_len, spec.head_dim
     heads = b * spec.n_head / t
-    if flash:
+    if attention != "unfused":
         flops = 4.0 * heads * (s / cp) * s * d * 0.5  # causal: the kernel skips the masked half
-        rate = (cluster.peak_tflops * 1e12 * cluster.triton_attention if triton
+        rate = (cluster.peak_tflops * 1e12 * cluster.triton_attention if attention == "flash-triton"
                 else cluster.matmul_tflops * 1e12 * fraction * FLASH_FRACTION)
         return flops / rate, FLASH_BACKWARD * flops / rate
     scores = forward_backward_seconds(s / cp, s, d, cluster, fraction, hbm_fraction, heads)

@@ -341,7 +341,7 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, opt
     # -- compute, per micro-batch --------------------------------------------------------
     fraction = cluster.matmul_fraction if options.efficiency is None else options.efficiency
     hbm = options.hbm
-    one = layer_seconds(spec, cluster, c, fraction, hbm, flash, e / 2, options.attention == "flash-triton")
+    one = layer_seconds(spec, cluster, c, fraction, hbm, options.attention, e / 2)
     out_fwd, out_bwd = output_layer_seconds(spec, cluster, c, fraction, hbm)
     full, selective = (c.recompute == 2).double(), (c.recompute == 1).double() * (not flash)
     gemm_fwd = layers * (one["gemm_fwd"] + one["attn_fwd"]) + last * out_fwd

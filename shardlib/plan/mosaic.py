@@ -12,9 +12,10 @@ SHARD_GRAD_OP: ZeRO-2) and NumParams; step = batch s / (N tokens/s). The sizes a
 scripts/train/yamls/pretrain/mpt-*.yaml with MPT's defaults (MPT_SIZES), checked against every row's NumParams.
 
 fsdp_runs()           every row at 2,048 tokens, 88 runs of 125M to 70B parameters on 8 to 512 GPUs: held out,
-                      used for nothing but the error they report.
-fsdp_training_runs()  every row at another length, 512 to 65,536 tokens (121 runs): they fit how fast this engine's
-                      attention kernel runs (fitted.ATTENTION_TRITON, validate.fit_attention), and nothing else.
+                      never used to fit a constant.
+fsdp_training_runs()  every row at another length, 512 to 65,536 tokens (121 runs): the only constant they fit is
+                      how fast this engine's attention kernel runs (fitted.ATTENTION_TRITON, validate.fit_attention).
+Both also give validate.checkpointing_pairs() its runs with and without activation checkpointing: compared, not fitted.
                       The benchmark script ran MPT's attn_impl "triton" (submit_benchmarks.py, --attn_impl, default
                       'triton' until April 2024): FlashAttention's Triton kernel, planned as attention="flash-triton".
 """
@@ -29,24 +30,24 @@ from shardlib.plan.published import SOFTWARE, PublishedRun
 # checkpointing, mixed precision PURE, ZeRO stage of the sharding strategy, NumParams), in the tables' order
 MOSAIC_RUNS = (
     # H100 80GB BF16 (Large Scale, >= 128 GPUs)
-    ("h100-80gb", "70b", 2048, 512, 8, 1, 4096, 1007, True, False, 3, 64862437376),
-    ("h100-80gb", "70b", 2048, 256, 8, 1, 2048, 1035, True, False, 3, 64862437376),
-    ("h100-80gb", "70b", 2048, 128, 8, 1, 1024, 1058, True, False, 3, 64862437376),
-    ("h100-80gb", "30b", 2048, 512, 8, 1, 4096, 2115, True, False, 3, 29975214080),
-    ("h100-80gb", "30b", 2048, 256, 8, 1, 2048, 2148, True, False, 3, 29975214080),
-    ("h100-80gb", "30b", 2048, 128, 8, 1, 1024, 2199, True, False, 3, 29975214080),
-    ("h100-80gb", "13b", 2048, 512, 16, 1, 8192, 4952, True, False, 3, 12853954560),
-    ("h100-80gb", "13b", 2048, 256, 16, 1, 4096, 4989, True, False, 3, 12853954560),
-    ("h100-80gb", "13b", 2048, 128, 16, 1, 2048, 5080, True, False, 3, 12853954560),
-    ("h100-80gb", "7b", 2048, 512, 6, 1, 3072, 9670, False, False, 3, 6658859008),
-    ("h100-80gb", "7b", 2048, 256, 6, 1, 1536, 10119, False, False, 3, 6658859008),
-    ("h100-80gb", "7b", 2048, 128, 6, 1, 768, 10475, False, False, 3, 6658859008),
-    ("h100-80gb", "3b", 2048, 512, 8, 1, 4096, 21664, False, False, 2, 2651837440),
-    ("h100-80gb", "3b", 2048, 256, 8, 1, 2048, 22772, False, False, 2, 2651837440),
-    ("h100-80gb", "3b", 2048, 128, 8, 1, 1024, 23422, False, False, 2, 2651837440),
-    ("h100-80gb", "1b", 2048, 512, 12, 1, 6144, 39837, False, False, 2, 1315950592),
-    ("h100-80gb", "1b", 2048, 256, 12, 1, 3072, 42555, False, False, 2, 1315950592),
-    ("h100-80gb", "1b", 2048, 128, 12, 1, 1536, 44123, False, False, 2, 1315950592),
+    ("h100-80gb-large", "70b", 2048, 512, 8, 1, 4096, 1007, True, False, 3, 64862437376),
+    ("h100-80gb-large", "70b", 2048, 256, 8, 1, 2048, 1035, True, False, 3, 64862437376),
+    ("h100-80gb-large", "70b", 2048, 128, 8, 1, 1024, 1058, True, False, 3, 64862437376),
+    ("h100-80gb-large", "30b", 2048, 512, 8, 1, 4096, 2115, True, False, 3, 29975214080),
+    ("h100-80gb-large", "30b", 2048, 256, 8, 1, 2048, 2148, True, False, 3, 29975214080),
+    ("h100-80gb-large", "30b", 2048, 128, 8, 1, 1024, 2199, True, False, 3, 29975214080),
+    ("h100-80gb-large", "13b", 2048, 512, 16, 1, 8192, 4952, True, False, 3, 12853954560),
+    ("h100-80gb-large", "13b", 2048, 256, 16, 1, 4096, 4989, True, False, 3, 12853954560),
+    ("h100-80gb-large", "13b", 2048, 128, 16, 1, 2048, 5080, True, False, 3, 12853954560),
+    ("h100-80gb-large", "7b", 2048, 512, 6, 1, 3072, 9670, False, False, 3, 6658859008),
+    ("h100-80gb-large", "7b", 2048, 256, 6, 1, 1536, 10119, False, False, 3, 6658859008),
+    ("h100-80gb-large", "7b", 2048, 128, 6, 1, 768, 10475, False, False, 3, 6658859008),
+    ("h100-80gb-large", "3b", 2048, 512, 8, 1, 4096, 21664, False, False, 2, 2651837440),
+    ("h100-80gb-large", "3b", 2048, 256, 8, 1, 2048, 22772, False, False, 2, 2651837440),
+    ("h100-80gb-large", "3b", 2048, 128, 8, 1, 1024, 23422, False, False, 2, 2651837440),
+    ("h100-80gb-large", "1b", 2048, 512, 12, 1, 6144, 39837, False, False, 2, 1315950592),
+    ("h100-80gb-large", "1b", 2048, 256, 12, 1, 3072, 42555, False, False, 2, 1315950592),
+    ("h100-80gb-large", "1b", 2048, 128, 12, 1, 1536, 44123, False, False, 2, 1315950592),
     # H100 80GB BF16
     ("h100-80gb", "70b", 2048, 64, 8, 4, 2048, 1039, True, False, 3, 64862437376),
     ("h100-80gb", "70b", 2048, 32, 2, 16, 1024, 882, True, False, 3, 64862437376),
@@ -249,9 +250,11 @@ MOSAIC_RUNS = (
 MPT_SIZES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16),
              "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 64),
              "70b": (80, 8192, 64)}
-# the tables' GPUs: A100 80GB and 40GB (datasheet: 40GB SXM, 1,555 GB/s of HBM), H100 80GB
+# the tables' titles and GPUs: A100 80GB and 40GB (datasheet: 40GB SXM, 1,555 GB/s of HBM), H100 80GB
+MOSAIC_TABLES = {"h100-80gb-large": "H100 80GB BF16 (Large Scale, >= 128 GPUs)", "h100-80gb": "H100 80GB BF16",
+                 "a100-80gb": "A100 80GB", "a100-40gb": "A100 40GB"}
 MOSAIC_GPUS = {"a100-80gb": dict(gpu="a100"), "a100-40gb": dict(gpu="a100", gpu_mem_gib=40, hbm_bw_gbps=1555.0),
-               "h100-80gb": dict(gpu="h100")}
+               "h100-80gb": dict(gpu="h100"), "h100-80gb-large": dict(gpu="h100")}
 
 
 def mpt_spec(size: str, seq_len: int = 2048) -> ModelSpec:
@@ -265,13 +268,16 @@ def mosaic_run(table, size, seq_len, n, micro, accumulation, batch, tokens_s, ch
     """One row of MOSAIC_RUNS as a run (n_params: the table's count, checked by the tests, not used here)."""
     layout = Layout(dp=n, zero=zero, micro_batch=micro, recompute="full" if checkpointing else None)
     tokens = "" if seq_len == 2048 else f" at {seq_len:,} tokens"
-    name = f"MPT-{size}{tokens}, {n} {table.replace('-', ' ').upper()}, b {micro} x {accumulation}"
+    gpus = MOSAIC_GPUS[table]
+    name = f"MPT-{size}{tokens}, {n} {gpus['gpu'].upper()} {gpus.get('gpu_mem_gib', 80)}GB, b {micro} x {accumulation}"
     return PublishedRun(
-        name, mpt_spec(size, seq_len), Cluster.of(n, **MOSAIC_GPUS[table]), layout, batch,
+        name, mpt_spec(size, seq_len), Cluster.of(n, **gpus), layout, batch,
         "mixed_adam" if pure else "mixed_adam_fp32_grads", f"{tokens_s:,} tokens/s per GPU",
-        batch * seq_len / (n * tokens_s), f"mosaicml/llm-foundry scripts/train/benchmarking/README.md, {table}",
-        attention="flash-triton", gpu=MOSAIC_GPUS[table]["gpu"], search=SOFTWARE["composer-fsdp"],
-        assumed="FSDP gathers the bf16 weights and reduce-scatters the gradients every micro-batch (no no_sync)")
+        batch * seq_len / (n * tokens_s),
+        f"mosaicml/llm-foundry scripts/train/benchmarking/README.md, table {MOSAIC_TABLES[table]}",
+        attention="flash-triton", gpu=gpus["gpu"], search=SOFTWARE["composer-fsdp"],
+        assumed="FSDP gathers the bf16 weights and reduce-scatters the gradients every micro-batch (no no_sync); "
+                "attention by FlashAttention's Triton kernel, the benchmark script's default attn_impl")
 
 
 def fsdp_runs() -> list[PublishedRun]:

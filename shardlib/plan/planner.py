@@ -15,9 +15,10 @@ What it predicts is what Megatron-LM, Megatron-Core and Llama 3's training code 
 on such runs and held against others (`--validate`). Another engine can be slower at the same layout: MT-NLG on
 DeepSpeed's pipeline engine took 18-22% longer than predicted (published.MT_NLG_MISS). On PyTorch FSDP as MosaicML
 ran it (shardlib/plan/mosaic.py, with its Triton attention kernel: attention="flash-triton") the error leans by
-recomputation: runs without it take longer than predicted, runs with it less, and the same model on the same GPUs
-ran at about the same MFU with it as without (validate.checkpointing_pairs), so there the planner overrates dropping
-activation checkpointing. Rank layouts with it, and measure a step before trusting its seconds.
+recomputation: runs without it mostly take longer than predicted, runs with it mostly less (validate.lean_lines),
+and where the same model ran on the same GPUs with and without it, dropping it bought less than predicted in every
+pair (validate.checkpointing_pairs): there the planner overrates dropping activation checkpointing. Rank layouts
+with it, and measure a step before trusting its seconds.
 """
 
 from __future__ import annotations
@@ -303,7 +304,8 @@ def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_
     matmul_fraction); overlap: overlap data-parallel communication with compute, as PyTorch's DDP and FSDP
     and Megatron's --overlap-grad-reduce do (default), paying the overlap rule of shardlib/plan/links.py;
     attention: "flash" (FlashAttention-2, default), "flash-triton" (FlashAttention's Triton kernel, as MosaicML's
-    benchmarks ran it: shardlib/plan/mosaic.py) or "unfused" (the scores written out, as Megatron-LM in 2021-22); reserve_gib: memory per GPU kept free; headroom: the share of the rest a recommended layout leaves
+    benchmarks ran it: shardlib/plan/mosaic.py) or "unfused" (the scores written out, as Megatron-LM in 2021-22);
+    reserve_gib: memory per GPU kept free; headroom: the share of the rest a recommended layout leaves
     free (default 0.2: no out-of-memory error below 80% in arXiv 2411.06465's 454 runs; 0 ranks every layout
     that fits by time alone); link_efficiency (inside a node, across),
     hbm_efficiency: the fractions of the links' and of HBM's bandwidth reached (fitted,

@@ -16,7 +16,7 @@ activation checkpointing where it fits) against the models MosaicML ran with and
 table; lean_lines() says which way a set's error leans, per recomputation, where a mean says only how far. fit()
 fits fitted.FITTED on the training set, fit_attention() the speed of FlashAttention's Triton kernel
 (fitted.ATTENTION_TRITON) on MosaicML's runs at other lengths than 2,048 tokens (mosaic.fsdp_training_runs), never
-on a held-out run. sweeps() holds it against Megatron-LM's sweeps of Figures 13-15: the order of the predicted
+on a held-out run. sweeps() holds the planner against Megatron-LM's sweeps of Figures 13-15: the order of the predicted
 throughputs against the order the paper reports. report() prints the two sets, then the held-out runs of another
 engine (mosaic.fsdp_runs(): PyTorch FSDP, as MosaicML ran it) apart, with their own figures.
 """
@@ -182,14 +182,20 @@ def checkpointing_pairs() -> list[dict]:
     the activations fit) held against the runs in one table that test it: MPT-7B and -13B on the same 8 GPUs, without
     checkpointing at 2,048 tokens (mosaic.fsdp_runs) and with it at 1,024 and 4,096 (mosaic.fsdp_training_runs). The
     sequence lengths differ, so each pair is compared by MFU (the planner's count of model FLOPs, the same for
-    measured and predicted: mfu()), measured (from the published step time) and predicted, without over with."""
+    measured and predicted: mfu()), measured (from the published step time) and predicted, without over with.
+    The pairs differ in micro-batch and gradient accumulation too: each ratio is that of the whole change, measured
+    and predicted alike."""
     key = lambda run: (run.spec.name, run.cluster.n_gpus, run.source)  # noqa: E731 the same model, GPUs and table
-    without = {key(run): run for run in fsdp_runs() if run.layout.recompute is None}
+    without = {}
+    for run in fsdp_runs():
+        if run.layout.recompute is None:
+            without.setdefault(key(run), []).append(run)
     rows = []
     for run in fsdp_training_runs():
         if run.layout.recompute != "full" or run.spec.seq_len not in (1024, 4096) or key(run) not in without:
             continue
-        other = without[key(run)]
+        assert len(without[key(run)]) == 1, f"more than one run without checkpointing to pair {run.name} with"
+        other = without[key(run)][0]
         measured, predicted = [], []
         for r in (other, run):
             e = published_estimate(r)
@@ -201,12 +207,17 @@ def checkpointing_pairs() -> list[dict]:
 
 
 def format_checkpointing_pairs(rows: list[dict]) -> str:
-    lines = [f"{'without checkpointing (2,048 tokens)':<36} {'with it':<40} {'MFU measured':>14} {'MFU predicted':>14} "
-             f"{'ratio meas.':>11} {'ratio pred.':>11}"]
+    """The pairs as a table: MFU measured and predicted (without checkpointing, with it), and their ratios."""
+    w1 = max([36] + [len(r["without"]) for r in rows])
+    w2 = max([7] + [len(r["with_"]) for r in rows])
+    lines = [f"{'without checkpointing (2,048 tokens)':<{w1}} {'with it':<{w2}} {'MFU measured':>13} "
+             f"{'MFU predicted':>13} {'ratio meas.':>11} {'ratio pred.':>11}"]
     for r in rows:
         (a, b), (c, d) = r["mfu_measured"], r["mfu_predicted"]
-        lines.append(f"{r['without']:<36} {r['with_']:<40} {a:>6.1%} {b:>6.1%} {c:>6.1%} {d:>6.1%} "
+        lines.append(f"{r['without']:<{w1}} {r['with_']:<{w2}} {a:>6.1%} {b:>6.1%} {c:>6.1%} {d:>6.1%} "
                      f"{r['measured']:>11.2f} {r['predicted']:>11.2f}")
+    lines.append("MFU: without checkpointing, then with it; ratio: MFU without over MFU with (the whole change: "
+                 "length, micro-batch, accumulation)")
     return "\n".join(lines)
 
 
