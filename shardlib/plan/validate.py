@@ -184,7 +184,8 @@ def checkpointing_pairs() -> list[dict]:
     sequence lengths differ, so each pair is compared by MFU (the planner's count of model FLOPs, the same for
     measured and predicted: mfu()), measured (from the published step time) and predicted, without over with.
     The pairs differ in micro-batch and gradient accumulation too: each ratio is that of the whole change, measured
-    and predicted alike."""
+    and predicted alike. `alone`: the planner's ratio for checkpointing alone, the run without it predicted again
+    with it, all else held (both fit; no run measured that)."""
     key = lambda run: (run.spec.name, run.cluster.n_gpus, run.source)  # noqa: E731 the same model, GPUs and table
     without = {}
     for run in fsdp_runs():
@@ -201,8 +202,10 @@ def checkpointing_pairs() -> list[dict]:
             e = published_estimate(r)
             measured.append(e.mfu * e.step_s / r.step_s)
             predicted.append(e.mfu)
+        added = published_estimate(replace(other, layout=replace(other.layout, recompute="full")))
         rows.append(dict(without=other.name, with_=run.name, mfu_measured=measured, mfu_predicted=predicted,
-                         measured=measured[0] / measured[1], predicted=predicted[0] / predicted[1]))
+                         measured=measured[0] / measured[1], predicted=predicted[0] / predicted[1],
+                         alone=predicted[0] / added.mfu))
     return rows
 
 
@@ -211,13 +214,14 @@ def format_checkpointing_pairs(rows: list[dict]) -> str:
     w1 = max([36] + [len(r["without"]) for r in rows])
     w2 = max([7] + [len(r["with_"]) for r in rows])
     lines = [f"{'without checkpointing (2,048 tokens)':<{w1}} {'with it':<{w2}} {'MFU measured':>13} "
-             f"{'MFU predicted':>13} {'ratio meas.':>11} {'ratio pred.':>11}"]
+             f"{'MFU predicted':>13} {'ratio meas.':>11} {'ratio pred.':>11} {'pred. alone':>11}"]
     for r in rows:
         (a, b), (c, d) = r["mfu_measured"], r["mfu_predicted"]
         lines.append(f"{r['without']:<{w1}} {r['with_']:<{w2}} {a:>6.1%} {b:>6.1%} {c:>6.1%} {d:>6.1%} "
-                     f"{r['measured']:>11.2f} {r['predicted']:>11.2f}")
+                     f"{r['measured']:>11.2f} {r['predicted']:>11.2f} {r['alone']:>11.2f}")
     lines.append("MFU: without checkpointing, then with it; ratio: MFU without over MFU with (the whole change: "
-                 "length, micro-batch, accumulation)")
+                 "length, micro-batch, accumulation); alone: the planner's ratio for checkpointing alone, the run "
+                 "without it predicted again with it")
     return "\n".join(lines)
 
 
