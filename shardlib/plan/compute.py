@@ -78,7 +78,7 @@ def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, at
     """(forward, backward) seconds of Q K^T and A V on this rank's b a / t heads of (s / c) x s scores, by the
     kernel `attention` (cost.ATTENTION). FlashAttention-2 runs at FLASH_FRACTION of the products' rate, so
     `fraction` scales it; FlashAttention's Triton kernel at its own fitted share of the GPU's peak
-    (Cluster.triton_attention), which `fraction` does not change: it is a measured kernel's speed, not a product's."""
+    (Cluster.triton_attention), which `fraction` does not change: it is one kernel's fitted speed, not a product's."""
     t, cp, b, s, d = c.tp, c.cp, c.micro_batch, spec.seq_len, spec.head_dim
     heads = b * spec.n_head / t
     if attention != "unfused":

@@ -301,8 +301,8 @@ def report(rank: bool = True) -> str:
     out += ["BLOOM's layouts timed side by side on its cluster, held out (x: step time over the fastest measured; "
             "GB: the most a GPU used, as its chronicle reports it, and the planner's memory)",
             format_side_by_side(side_by_side()), "",
-            "The FSDP runs' activation checkpointing: one model on the same 8 GPUs of one table without it (2,048 tokens) "
-            "and with it (1,024 and 4,096 tokens), MFU measured and predicted, and without over with",
+            "The FSDP runs' activation checkpointing: one model on the same 8 GPUs of one table without it "
+            "(2,048 tokens) and with it (1,024 and 4,096 tokens), MFU measured and predicted, and without over with",
             format_checkpointing_pairs(checkpointing_pairs()), "",
             "Megatron-LM's sweeps on 64 A100 of the training set's cluster (predicted TFLOP/s per GPU; the paper's "
             "plots are held by the order its text reports, quoted)",
