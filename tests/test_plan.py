@@ -607,7 +607,7 @@ def test_the_advice_to_drop_checkpointing_is_held_against_one_table():
     row = {(table, size, seq, n, micro): (speed, params) for table, size, seq, n, micro, _, _, speed, *_, params
            in MOSAIC_RUNS}
     by_name = {run.name: run for run in fsdp_runs() + fsdp_training_runs()}
-    table_of = {title: table for table, title in MOSAIC_TABLES.items()}
+    table_of = {title: table for table, (title, _) in MOSAIC_TABLES.items()}
     for r in pairs:
         ratio = []
         for name in (r["without"], r["with_"]):

@@ -250,11 +250,11 @@ MOSAIC_RUNS = (
 MPT_SIZES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16),
              "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 64),
              "70b": (80, 8192, 64)}
-# the tables' titles and GPUs: A100 80GB and 40GB (datasheet: 40GB SXM, 1,555 GB/s of HBM), H100 80GB
-MOSAIC_TABLES = {"h100-80gb-large": "H100 80GB BF16 (Large Scale, >= 128 GPUs)", "h100-80gb": "H100 80GB BF16",
-                 "a100-80gb": "A100 80GB", "a100-40gb": "A100 40GB"}
-MOSAIC_GPUS = {"a100-80gb": dict(gpu="a100"), "a100-40gb": dict(gpu="a100", gpu_mem_gib=40, hbm_bw_gbps=1555.0),
-               "h100-80gb": dict(gpu="h100"), "h100-80gb-large": dict(gpu="h100")}
+# each table's title and GPUs: A100 80GB and 40GB (datasheet: 40GB SXM, 1,555 GB/s of HBM), H100 80GB
+MOSAIC_TABLES = {"h100-80gb-large": ("H100 80GB BF16 (Large Scale, >= 128 GPUs)", dict(gpu="h100")),
+                 "h100-80gb": ("H100 80GB BF16", dict(gpu="h100")),
+                 "a100-80gb": ("A100 80GB", dict(gpu="a100")),
+                 "a100-40gb": ("A100 40GB", dict(gpu="a100", gpu_mem_gib=40, hbm_bw_gbps=1555.0))}
 
 
 def mpt_spec(size: str, seq_len: int = 2048) -> ModelSpec:
@@ -268,13 +268,13 @@ def mosaic_run(table, size, seq_len, n, micro, accumulation, batch, tokens_s, ch
     """One row of MOSAIC_RUNS as a run (n_params: the table's count, checked by the tests, not used here)."""
     layout = Layout(dp=n, zero=zero, micro_batch=micro, recompute="full" if checkpointing else None)
     tokens = "" if seq_len == 2048 else f" at {seq_len:,} tokens"
-    gpus = MOSAIC_GPUS[table]
-    name = f"MPT-{size}{tokens}, {n} {gpus['gpu'].upper()} {gpus.get('gpu_mem_gib', 80)}GB, b {micro} x {accumulation}"
+    title, gpus = MOSAIC_TABLES[table]
+    cluster = Cluster.of(n, **gpus)
+    name = f"MPT-{size}{tokens}, {n} {gpus['gpu'].upper()} {cluster.gpu_mem_gib:.0f}GB, b {micro} x {accumulation}"
     return PublishedRun(
-        name, mpt_spec(size, seq_len), Cluster.of(n, **gpus), layout, batch,
+        name, mpt_spec(size, seq_len), cluster, layout, batch,
         "mixed_adam" if pure else "mixed_adam_fp32_grads", f"{tokens_s:,} tokens/s per GPU",
-        batch * seq_len / (n * tokens_s),
-        f"mosaicml/llm-foundry scripts/train/benchmarking/README.md, table {MOSAIC_TABLES[table]}",
+        batch * seq_len / (n * tokens_s), f"mosaicml/llm-foundry scripts/train/benchmarking/README.md, table {title}",
         attention="flash-triton", gpu=gpus["gpu"], search=SOFTWARE["composer-fsdp"],
         assumed="FSDP gathers the bf16 weights and reduce-scatters the gradients every micro-batch (no no_sync); "
                 "attention by FlashAttention's Triton kernel, the benchmark script's default attn_impl")
