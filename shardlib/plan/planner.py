@@ -13,7 +13,7 @@ prints one layout's breakdown. What can run is decided in shardlib/plan/rules.py
 
 What it predicts is what Megatron-LM, Megatron-Core and Llama 3's training code reach: its constants are fitted
 on such runs and held against others (`--validate`). Another engine can be slower at the same layout: MT-NLG on
-DeepSpeed's pipeline engine took 18-22% longer than predicted (published.MT_NLG_MISS). On PyTorch FSDP as MosaicML
+DeepSpeed's pipeline engine was predicted 18-22% fast (published.MT_NLG_MISS). On PyTorch FSDP as MosaicML
 ran it (shardlib/plan/mosaic.py, with its Triton attention kernel: attention="flash-triton") the error leans by
 recomputation: runs without it mostly take longer than predicted, runs with it mostly less (validate.lean_lines),
 and where the same model ran on the same GPUs with and without it, dropping it bought less than predicted in every

@@ -251,13 +251,53 @@ def format_sweeps(rows: list[dict]) -> str:
     return "\n".join(lines + [f"  Figure {k}: \"{v}\"" for k, v in claims.items()])
 
 
-def misses_lines(rows: list[dict]) -> list[str]:
-    """The runs left out of the error figures (known_miss), each with its error, and why once per reason."""
-    reasons = {}
+def slot_split(runs: list[PublishedRun]) -> dict:
+    """Where the time of one pipeline's step goes, over runs of one model and stage count that differ in the number
+    of micro-batches m: least squares of step = per_slot (m + (p - 1) / v) + per_step, for the published and the
+    predicted step times. A 1F1B step is m + (p - 1) / v slots of one micro-batch's forward and backward (the bubble
+    included); what does not grow with m (the gradient reduction after the drain, the optimizer) is per step. So a
+    miss in per_slot is a cost of every micro-batch, a miss in per_step one of every step."""
+    slots, published, predicted = [], [], []
+    for run in runs:
+        estimate = published_estimate(run)
+        lay = estimate.layout
+        slots.append(run.global_batch / (lay.dp * lay.micro_batch) + (lay.pp - 1) / lay.virtual_stages)
+        published.append(run.step_s)
+        predicted.append(estimate.step_s)
+    if len(set(slots)) < 2:
+        raise ValueError("slot_split needs runs with at least two different numbers of micro-batches")
+
+    def line(steps):
+        x0, y0 = sum(slots) / len(slots), sum(steps) / len(steps)
+        per_slot = (sum((x - x0) * (y - y0) for x, y in zip(slots, steps))
+                    / sum((x - x0) ** 2 for x in slots))
+        return dict(per_slot=per_slot, per_step=y0 - per_slot * x0)
+
+    return dict(slots=slots, published=line(published), predicted=line(predicted))
+
+
+def misses_lines(rows: list[dict], runs: list[PublishedRun] | None = None) -> list[str]:
+    """The runs left out of the error figures (known_miss), each with its error, and why once per reason; with the
+    runs (`runs`, the same as the rows'), a reason shared by pipelines of one model at several sizes is followed by
+    its slot_split: which part of the step the miss is in."""
+    reasons, missed = {}, {}
+    by_name = {run.name: run for run in runs or []}
     for r in rows:
         if r["known_miss"] and r["error"] is not None:
             reasons.setdefault(r["known_miss"], []).append(f"{r['run']} ({r['error']:+.1%})")
-    return [f"  missed, outside these figures: {', '.join(names)}: {why}" for why, names in reasons.items()]
+            if r["run"] in by_name:
+                missed.setdefault(r["known_miss"], []).append(by_name[r["run"]])
+    lines = []
+    for why, names in reasons.items():
+        lines.append(f"  missed, outside these figures: {', '.join(names)}: {why}")
+        group = missed.get(why, [])
+        if len({run.spec.name for run in group}) == 1 and len({run.global_batch / run.layout.dp for run in group}) > 1:
+            split = slot_split(group)
+            lines.append(f"    step = s (m + (p - 1) / v) + r over these {len(group)} runs (least squares; m "
+                         f"micro-batches): published s = {split['published']['per_slot']:.3f} s, r = "
+                         f"{split['published']['per_step']:.1f} s; predicted s = {split['predicted']['per_slot']:.3f}"
+                         f" s, r = {split['predicted']['per_step']:.1f} s")
+    return lines
 
 
 def lean_lines(rows: list[dict]) -> list[str]:
@@ -293,7 +333,7 @@ def report(rank: bool = True) -> str:
                 f"step-time error over {s['n']} runs: mean {s['mean']:.1%}, max {s['max']:.1%}; published layouts "
                 f"predicted not to fit: {s['not_fitting'] or 'none'}",
                 ranking_line(rows)]
-        out += lean_lines(rows) + misses_lines(rows)
+        out += lean_lines(rows) + misses_lines(rows, runs)
         out += [f"  {r['run']}: {r['layout']}; the planner's pick {r['best']}; {r['deciding']}" for r in rows
                 if r["deciding"]]
         free = sorted({r["free"] for r in rows if r["free"]})
