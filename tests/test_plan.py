@@ -1061,6 +1061,9 @@ def test_presets_match_published_sizes():
     assert ModelSpec.preset("llama-7b").psi == pytest.approx(6.74e9, rel=0.001)
     assert ModelSpec.preset("llama-13b").psi == pytest.approx(13.0e9, rel=0.01)
     assert ModelSpec.preset("llama3-405b").psi == pytest.approx(405e9, rel=0.01)
+    # Llama 3 8B and 70B, as the safetensors of meta-llama/Meta-Llama-3-8B and -70B count them
+    assert ModelSpec.preset("llama3-8b").psi == 8_030_261_248
+    assert ModelSpec.preset("llama3-70b").psi == 70_553_706_496
     assert ModelSpec.preset("bloom-176b").psi == pytest.approx(176.247e9, rel=0.001)
     assert ModelSpec.preset("gpt2").psi == 124_439_808
 

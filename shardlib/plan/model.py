@@ -280,6 +280,10 @@ PRESETS = {
     # Llama 3.1 405B: arXiv 2407.21783, Table 3 (126 layers, model dimension 16,384, FFN 53,248, 128 heads,
     # 8 key/value heads, vocabulary 128,000 + 256), 8k training sequences (Section 3.4.1)
     "llama3-405b": lambda: _llama("llama3-405b", 126, 16384, 128, 53248, 8192, vocab=128256, kv_heads=8),
+    # Llama 3 8B and 70B: the same table (8B: 32 layers, 4,096, FFN 14,336, 32 heads; 70B: 80 layers, 8,192,
+    # FFN 28,672, 64 heads; 8 key/value heads and the 128,256-token vocabulary in both, embeddings untied)
+    "llama3-8b": lambda: _llama("llama3-8b", 32, 4096, 32, 14336, 8192, vocab=128256, kv_heads=8),
+    "llama3-70b": lambda: _llama("llama3-70b", 80, 8192, 64, 28672, 8192, vocab=128256, kv_heads=8),
     # Mixtral 8x7B: https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json (8 experts, top 2;
     # arXiv 2401.04088: 47B parameters, 13B active per token)
     "mixtral-8x7b": lambda: replace(_llama("mixtral-8x7b", 32, 4096, 32, 14336, 4096, kv_heads=8), n_experts=8,
