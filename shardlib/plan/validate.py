@@ -24,6 +24,7 @@ engine (mosaic.fsdp_runs(): PyTorch FSDP, as MosaicML ran it) apart, with their 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import replace
 
 from shardlib.plan.fitted import FITTED
@@ -268,10 +269,8 @@ def slot_split(runs: list[PublishedRun]) -> dict:
         raise ValueError("slot_split needs runs with at least two different numbers of micro-batches")
 
     def line(steps):
-        x0, y0 = sum(slots) / len(slots), sum(steps) / len(steps)
-        per_slot = (sum((x - x0) * (y - y0) for x, y in zip(slots, steps))
-                    / sum((x - x0) ** 2 for x in slots))
-        return dict(per_slot=per_slot, per_step=y0 - per_slot * x0)
+        fit = statistics.linear_regression(slots, steps)
+        return dict(per_slot=fit.slope, per_step=fit.intercept)
 
     return dict(slots=slots, published=line(published), predicted=line(predicted))
 
