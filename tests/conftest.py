@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+import notebook_kernels
+
 # Set before anything imports transformers or matplotlib; notebook kernels started by nbval
 # inherit them too. No test may reach the network: the model ships as a package.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,6 +45,11 @@ FILE_SECONDS = {
     "tests/test_plan.py": 25,
 }
 NEW_NOTEBOOK_S, NEW_FILE_S = 60, 10  # a lesson takes about a minute; most test files a few seconds
+
+
+def pytest_configure(config):
+    """nbval's kernels start through tests/notebook_kernels.py: stderr kept, one fresh start if one does not answer."""
+    notebook_kernels.install()
 
 
 @pytest.fixture(scope="session")
