@@ -1135,7 +1135,7 @@ def test_cli_prints_the_ranked_table_and_why():
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert any(line.split()[:1] == ["1"] for line in lines) and any(line.split()[:1] == ["3"] for line in lines)
-    assert "Best:" in run.stdout and "Runner-up:" in run.stdout and "memory:" in run.stdout
+    assert "Best:" in run.stdout and "Best of another mesh:" in run.stdout and "memory:" in run.stdout
 
 
 def test_cli_filters_evaluates_and_speaks_json(capsys):

@@ -1,8 +1,8 @@
 """Reading a plan: the ranked table and its legend, why the best layout wins, one layout's breakdown.
 
 `format_table` prints the layouts that fit, fastest first (`LEGEND` says what each column is); `explain`
-says what the best one's step time and memory go to, and what it trades against the runner-up (the
-fastest layout on another mesh) or against a layout you name, with the single assumption of the cost
+says what the best one's step time and memory go to, and what it trades against the best layout of
+another mesh (`Plan.runner_up`) or against a layout you name, with the single assumption of the cost
 model that decides between them (`deciding`); `breakdown` lists every part of one layout's memory, bytes
 sent and step time; `as_dict` gives the same as plain numbers for JSON. The cost model and its sources
 are in shardlib/plan/cost.py.
@@ -182,7 +182,8 @@ def _trade(best, other, cluster: Cluster, what: str, headroom: float) -> str:
 
 
 def explain(result, against: Layout | None = None) -> str:
-    """Why the best layout wins: what its time and memory go to, what the runner-up (or `against`) trades."""
+    """Why the best layout wins: what its time and memory go to, what the best layout of another mesh
+    (dp, cp, tp, pp), or `against`, trades."""
     best, cluster = result.best, result.cluster
     lay, step = best.layout, best.step_s
     parts = _time_parts(best, cluster)
@@ -215,7 +216,7 @@ def explain(result, against: Layout | None = None) -> str:
         return "\n".join(lines)
     other = result.runner_up()
     if other is not None:
-        lines.append(_trade(best, other, cluster, "Runner-up", result.headroom))
+        lines.append(_trade(best, other, cluster, "Best of another mesh", result.headroom))
     return "\n".join(lines)
 
 

@@ -243,7 +243,7 @@ def sweeps() -> list[dict]:
 
 
 def format_sweeps(rows: list[dict]) -> str:
-    lines = []
+    lines = ["predicted TFLOP/s per GPU, counted as the paper counts them (eq. 3), layout by layout:"]
     for r in rows:
         cells = "  ".join(f"{name} {x:.0f}" for name, x in zip(r["layouts"], r["tflops"]))
         verdict = "holds" if r["holds"] else "does not hold"
