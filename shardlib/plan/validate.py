@@ -229,16 +229,19 @@ def format_checkpointing_pairs(rows: list[dict]) -> str:
 def sweeps() -> list[dict]:
     """Megatron-LM's sweeps of Figures 13-15 (published.megatron_sweeps()): per figure and batch, the planner's
     TFLOP/s per GPU for each layout (counted as the paper counts them, eq. 3) and whether their order is the one
-    the paper reports: the fastest at the claimed layout ("peak"), or each slower than the one before ("falling")."""
+    the paper reports: the fastest at the claimed layout ("peak"), or each slower than the one before ("falling"),
+    and by how much at the closest ("margin": the claimed layout over the fastest other, or the smallest step down)."""
     rows = []
     for figure, batch, order, index, words, runs in megatron_sweeps():
         spec = runs[0].spec
         flops = megatron_flops(batch, spec.seq_len, spec.n_layer, spec.hidden, spec.vocab_size)
         tflops = [flops / (run.cluster.n_gpus * published_estimate(run).step_s) / 1e12 for run in runs]
-        holds = (max(range(len(tflops)), key=tflops.__getitem__) == index if order == "peak"
-                 else all(a > b for a, b in zip(tflops, tflops[1:])))
+        if order == "peak":  # the claimed layout against the fastest of the others
+            margin = tflops[index] / max(x for i, x in enumerate(tflops) if i != index) - 1
+        else:  # each layout against the next
+            margin = min(a / b - 1 for a, b in zip(tflops, tflops[1:]))
         rows.append(dict(figure=figure, batch=batch, layouts=[f"dp{r.layout.dp} tp{r.layout.tp} pp{r.layout.pp}" for r in runs],
-                         tflops=tflops, claim=words, holds=holds))
+                         tflops=tflops, claim=words, holds=margin > 0, margin=margin))
     return rows
 
 
@@ -246,7 +249,7 @@ def format_sweeps(rows: list[dict]) -> str:
     lines = ["predicted TFLOP/s per GPU, counted as the paper counts them (eq. 3), layout by layout:"]
     for r in rows:
         cells = "  ".join(f"{name} {x:.0f}" for name, x in zip(r["layouts"], r["tflops"]))
-        verdict = "holds" if r["holds"] else "does not hold"
+        verdict = f"holds, by {r['margin']:.1%} at the closest" if r["holds"] else f"does not hold ({r['margin']:+.1%})"
         lines.append(f"Figure {r['figure']}, batch {r['batch']:>3}: {cells}  {verdict}")
     claims = {r["figure"]: r["claim"] for r in rows}
     return "\n".join(lines + [f"  Figure {k}: \"{v}\"" for k, v in claims.items()])
