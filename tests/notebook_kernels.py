@@ -15,6 +15,7 @@ share one history database, and the tests leave nothing in the user's ~/.ipython
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
 import signal
@@ -26,16 +27,13 @@ from pathlib import Path
 FIRST_TRY_S = 120  # a kernel answers in about a second on a quiet machine, in tens of seconds on a loaded one
 STDERR_TAIL = 4000  # characters of a kernel's stderr (its thread stacks included) that a report keeps
 
-_folder: Path | None = None
 
-
+@functools.cache
 def kernels_folder() -> Path:
     """This process's folder for its kernels' stderr files and IPython folder (removed when it exits)."""
-    global _folder
-    if _folder is None:
-        _folder = Path(tempfile.mkdtemp(prefix="nbval-kernels-"))
-        atexit.register(shutil.rmtree, _folder, True)
-    return _folder
+    folder = Path(tempfile.mkdtemp(prefix="nbval-kernels-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def start_kernel(startup_timeout: float = 60, kernel_name: str = "python", spec_manager=None, **kwargs):
@@ -67,12 +65,12 @@ def _start_once(timeout: float, kernel_name: str, spec_manager, kwargs: dict):
 
     folder = kernels_folder()
     stderr_path = Path(tempfile.mkstemp(prefix="kernel-", suffix=".stderr", dir=folder)[1])
-    env = {**kwargs.pop("env", os.environ), "PYTHONFAULTHANDLER": "1",  # SIGABRT dumps every thread's stack
+    env = {**kwargs.get("env", os.environ), "PYTHONFAULTHANDLER": "1",  # SIGABRT dumps every thread's stack
            "IPYTHONDIR": str(folder / "ipython")}
-    kwargs.pop("stderr", None)
+    options = {key: value for key, value in kwargs.items() if key not in ("env", "stderr")}  # both tries get them whole
     km = KernelManager(kernel_name=kernel_name, kernel_spec_manager=spec_manager or NbvalKernelspecManager())
     with open(stderr_path, "w") as stderr:
-        km.start_kernel(env=env, stderr=stderr, **kwargs)
+        km.start_kernel(env=env, stderr=stderr, **options)
     kc = km.client()
     kc.start_channels()
     try:
