@@ -819,6 +819,44 @@ def test_tp_overlap_hides_tp_communication_and_needs_sequence_parallelism():
         predict(spec, cluster, replace(base, sequence_parallel=False, tp_overlap=True), 64)
 
 
+def test_async_tp_backward_hides_each_column_layers_input_gradient_behind_its_weight_gradient():
+    # Megatron-LM since 2021-09 (LinearWithGradAccumulationAndAsyncCommunication): the all-reduce of a column-parallel
+    # layer's input gradient (a reduce-scatter with sequence parallelism) runs while the same layer computes dW. Two
+    # such layers per block, QKV (T, 3h/t, h) and the MLP's up projection (T, 4h/t, h), so on one micro-batch
+    # exposed(C, T) = max(C - T, C kappa/(1 + kappa)) saves either all but kappa/(1 + kappa) of 2 L C (fast links) or
+    # exactly the two dW products' time L (dW_qkv + dW_up) (slow links); the forward's collectives never hide
+    L, h, s, t = 4, 4096, 2048, 8
+    spec = ModelSpec(L, h, 32, 32000, s)
+    kappa = COMPUTE_SLOWDOWN / (1 + COMPUTE_SLOWDOWN)
+    for bandwidth in (20000.0, 2.0):  # links so fast that each collective fits behind its product, and so slow that none
+        cluster = Cluster.of(t, intra_bw_gbps=bandwidth)
+        link = bandwidth * 1e9 * FITTED["nvlink"]
+        dw = [matmul_seconds(h, n, s, cluster, cluster.matmul_fraction, FITTED["hbm"]).item() for n in (3 * h // t,
+                                                                                                         4 * h // t)]
+        for sp in (False, True):
+            lay = Layout(tp=t, sequence_parallel=sp)
+            waits, hides = (predict(spec, cluster, lay, 1, async_tp_backward=flag) for flag in (False, True))
+            steps = t - 1 if sp else 2 * (t - 1)  # a reduce-scatter, or an all-reduce, of b s h bf16 on a ring
+            c = steps * (cluster.alpha_us * 1e-6 + 2 * s * h / (t * link))
+            saved = L * 2 * c * (1 - kappa) if bandwidth > 100 else L * sum(dw)
+            assert all(c < w for w in dw) if bandwidth > 100 else all(w < c for w in dw), "the regime tested"
+            assert waits.tp_s - hides.tp_s == pytest.approx(saved, rel=1e-6), (bandwidth, sp)
+            assert waits.tp_sent_bytes == hides.tp_sent_bytes, "the same bytes, sent at another moment"
+    overlapped = Layout(tp=t, sequence_parallel=True, tp_overlap=True)  # Transformer Engine's: every collective
+    assert predict(spec, Cluster.of(t), overlapped, 1, async_tp_backward=False).tp_s == pytest.approx(
+        predict(spec, Cluster.of(t), overlapped, 1).tp_s)
+    with pytest.raises(ValueError, match="async_tp_backward"):
+        predict(spec, Cluster.of(t), Layout(tp=t), 1, async_tp_backward="yes")
+    # the published runs: Megatron-LM's code from 2021-09-07 on has it; April 2021, BigScience's Megatron-DeepSpeed,
+    # MT-NLG's engine and Llama 3 (no TP overlap described) do not
+    from shardlib.plan.published import held_out_runs, training_runs
+
+    flags = {run.name: run.async_tp_backward for run in training_runs() + held_out_runs()}
+    assert flags["Megatron-LM 2022 GPT 22B, full recompute"] and flags["Megatron-LM 2022 GPT 1000B, SP + selective"]
+    assert not any(flags[name] for name in ("Megatron-LM GPT 18.4B", "GPT-3 175B, Megatron-LM", "BLOOM-176B",
+                                            "MT-NLG 530B, 2,240 GPUs", "Llama 3 405B, 8,192 GPUs, cp 1"))
+
+
 def test_virtual_stages_any_count_that_divides_a_stage():
     # Megatron-LM's Table 1 ran 60 layers on 4 stages as 3 chunks of 5 (run_table_1.sh); Llama 3 126 layers on 16
     # stages, the first chunk holding only the embedding (Megatron-Core's account_for_embedding_in_pipeline_split)

@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                           "GPU, shardlib/plan/fitted.py)")
     job.add_argument("--no-overlap", action="store_true", help="expose all data-parallel communication (default: "
                      "overlapped with compute by the rule of shardlib/plan/links.py)")
+    job.add_argument("--sync-tp-backward", action="store_true", help="the column-parallel layers' input-gradient "
+                     "all-reduces wait on the critical path, as in Megatron-LM before September 2021 and "
+                     "Megatron-DeepSpeed (default: each beside its weight-gradient product, Megatron-LM's since)")
     job.add_argument("--attention", default="flash", choices=ATTENTION, help="FlashAttention-2 (default), "
                      "FlashAttention's Triton kernel (at its fitted speed, shardlib/plan/fitted.py, which "
                      "--efficiency leaves alone), or the scores written out")
@@ -197,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             return _inference(args, spec)
         cluster = _cluster(args)
         options = dict(recipe=args.recipe, efficiency=args.efficiency, overlap=not args.no_overlap,
-                       attention=args.attention, reserve_gib=args.reserve_gib, headroom=args.headroom)
+                       attention=args.attention, reserve_gib=args.reserve_gib, headroom=args.headroom,
+                       async_tp_backward=not args.sync_tp_backward)
         if args.evaluate:
             estimate = predict(spec, cluster, _layout(args, cluster.n_gpus), args.global_batch, **options)
             print(json.dumps({"model": spec.name, "cluster": asdict(cluster), "global_batch": args.global_batch,

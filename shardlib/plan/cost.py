@@ -48,7 +48,10 @@ micro-batch (forward + backward + exposed TP, CP, EP) on the slowest stage:
                 and in backward 2 all-gathers per layer (1 for the output head) of the sequence shards the
                 column layers kept, beside their data-gradient products (Megatron-LM's; shardlib/parallel/
                 sequence.py). On the critical path, unless tp_overlap: then each pass's collectives hide
-                behind that pass's products by the overlap rule (shardlib/plan/links.py).
+                behind that pass's products by the overlap rule (shardlib/plan/links.py). Without it, the
+                backward's 2 per layer at the column-parallel layers' inputs (all-reduces, or reduce-scatters
+                with sequence parallelism) each hide behind that layer's weight-gradient product, as
+                Megatron-LM has run them by default since September 2021 (async_tp_backward; cost_comm.py).
   CP            ring attention: each layer forward sends the local K, V block c-1 times (arXiv 2310.01889),
                 backward K, V again (c-1) and dK, dV round the whole ring (c); hidden behind the attention
                 core by the overlap rule. Ulysses: 4 all-to-alls per pass of (c-1)/c of q, k, v, out
@@ -223,6 +226,7 @@ class Options:
     hbm: float = FITTED["hbm"]
     scatter_gather: bool = True  # arXiv 2104.04473, Sec. 4.1
     overlap_with_pipeline: bool = True  # False: DP overlap only without a pipeline (Megatron-LM, 2021)
+    async_tp_backward: bool = True  # False: the column layers' input-gradient collectives wait (before 2021-09)
 
 
 def layers_of_stage(n_layer: int, p, k):
@@ -356,7 +360,8 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, opt
 
     dp_overlap = torch.as_tensor(options.overlap) & ((p == 1) | options.overlap_with_pipeline)  # per layout
     comm = stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, dp_overlap, options.link,
-                               options.scatter_gather, psi_dense, psi_expert, forward_s, backward_s)
+                               options.scatter_gather, psi_dense, psi_expert, forward_s, backward_s,
+                               options.async_tp_backward)
     micro = forward_s + backward_s + comm.tp + comm.cp + comm.ep  # one micro-batch on this stage
     bubble = (p - 1) / v * micro
     optimizer_s = sharded * (2 * recipe.optimizer + recipe.grads + e) / hbm_rate

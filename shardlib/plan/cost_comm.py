@@ -52,11 +52,14 @@ class StageComm:
 
 
 def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, dp_overlap, link: tuple,
-                        scatter_gather: bool, psi_dense, psi_expert, forward_s, backward_s) -> StageComm:
+                        scatter_gather: bool, psi_dense, psi_expert, forward_s, backward_s,
+                        async_tp_backward: bool = True) -> StageComm:
     """Collectives and exposed seconds of stage k's GPUs; `one`: compute.layer_seconds of one layer; dp_overlap: a
     column, whether each layout's data-parallel traffic overlaps compute; link: the fractions of the links'
     bandwidth collectives reach (inside a node, across); scatter_gather: pipeline messages split over the
-    tensor-parallel ranks and gathered by the receivers (else each rank sends all of it)."""
+    tensor-parallel ranks and gathered by the receivers (else each rank sends all of it); async_tp_backward: each
+    column-parallel layer's input-gradient all-reduce (reduce-scatter with sequence parallelism) runs beside its
+    weight-gradient product (else on the critical path)."""
     d, t, p, cp, ep, v = c.dp, c.tp, c.pp, c.cp, c.ep, c.virtual
     e, eg = recipe.params, recipe.grads
     alpha = cluster.alpha_us * 1e-6
@@ -92,9 +95,11 @@ def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, d
     overlapped = c.tp_overlap > 0
     fwd_hidden = exposed(tp_pass, layers * one["gemm_fwd"])
     bwd_hidden = exposed(tp_pass, layers * one["gemm_bwd"])
-    tp_s = torch.where(overlapped, fwd_hidden * (1 + full) + bwd_hidden, tp_pass * (2 + full)) + tp_ends
+    bwd_async, async_busy = _async_backward(c, tp_ring, bsh, layers, one["wgrad_columns"], async_tp_backward)
+    tp_s = torch.where(overlapped, fwd_hidden * (1 + full) + bwd_hidden, tp_pass * (1 + full) + bwd_async) + tp_ends
     tp_s = tp_s + regather_s + c.sp * tp_ring.time("all_reduce", replicated) / m  # that last once a step
     tp_busy = torch.where(overlapped, tp_pass - fwd_hidden, 0.0)  # NVLink time hidden behind each pass
+    async_busy = torch.where(overlapped, 0.0, async_busy)  # ... and behind the backward's weight gradients
 
     # -- context parallelism ---------------------------------------------------------------------
     kv = tokens * 2 * spec.hidden * spec.kv_heads / spec.n_head / t * e  # this rank's K and V block
@@ -148,12 +153,30 @@ def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, d
     # -- data parallelism: per step -----------------------------------------------------------------
     busy = torch.where(in_node(cluster, t * cp * d), tp_busy + torch.where(in_node(cluster, t * cp), ring_busy, 0.0),
                        torch.where(in_node(cluster, t * cp), 0.0, ring_busy))
-    windows = (torch.clamp(forward_s - busy, min=0.0), torch.clamp(backward_s - busy, min=0.0))
+    busy_bwd = busy + torch.where(in_node(cluster, t * cp * d), async_busy, 0.0)
+    windows = (torch.clamp(forward_s - busy, min=0.0), torch.clamp(backward_s - busy_bwd, min=0.0))
     dense_s, dense = _data_parallel(c, m, layers, psi_dense * e, psi_dense * eg, dp_ring, windows, dp_overlap)
     expert_s, experts = _data_parallel(c, m, layers, psi_expert * e, psi_expert * eg, expert_ring, windows,
                                        dp_overlap)
     out += dense + experts
     return StageComm(tp_s, cp_s, ep_s, pp_s, dense_s + expert_s, out)
+
+
+def _async_backward(c, ring: Ring, bsh, layers, wgrad_columns, on: bool):
+    """(exposed seconds, seconds hidden) of one backward pass's tensor-parallel collectives over a stage, without
+    tp_overlap. Each column-parallel layer's input gradient is all-reduced, or reduce-scattered with sequence
+    parallelism; with `on`, asynchronously, while the same layer computes its weight gradient, by the overlap rule
+    (Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication, on by default since 2021-09-07: merge
+    b462d2545d, "--no-async-tensor-model-parallel-allreduce"). Sequence parallelism's other backward collective,
+    the all-gather of each row-parallel layer's output gradient, stays on the critical path."""
+    column = torch.where(c.sp > 0, ring.time("reduce_scatter", bsh), ring.time("all_reduce", bsh))
+    row = c.sp * ring.time("all_gather", bsh)
+    n_columns = 2.0  # QKV and the MLP's up projection (in an MoE layer, the experts' is not timed: no window)
+    if not on:
+        return layers * (n_columns * column + 2 * row), torch.zeros_like(column)
+    windows = list(wgrad_columns) + [torch.zeros_like(column)] * (int(n_columns) - len(wgrad_columns))
+    left = sum(exposed(column, window) for window in windows)
+    return layers * (left + 2 * row), layers * (n_columns * column - left)
 
 
 def _data_parallel(c, m, layers, param_bytes, grad_bytes, ring: Ring, windows, overlap):

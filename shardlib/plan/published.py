@@ -36,7 +36,12 @@ held_out_runs()
 - Megatron-LM in 2022, Korthikanti et al., arXiv 2205.05198, Tables 3 and 5: GPT 22B, 175B, 530B and 1T on 8 to
   512 A100 80GB with one data-parallel rank, t 8, p 1 to 64, each timed twice: with full recomputation (the
   baseline; tensor parallelism as before the paper, no sequence parallelism: assumed) and with sequence parallelism
-  and selective recomputation; unfused attention. Micro-batch and virtual stages are not published: free.
+  and selective recomputation; unfused attention. Micro-batch and virtual stages are not published: free. The
+  code of that spring (megatron/mpu/layers.py at cfd2e21, 2022-04-28) all-reduces each column-parallel layer's
+  input gradient (reduce-scatters it, with sequence parallelism) beside that layer's weight-gradient product
+  (async_tp_backward), by default since 2021-09-07; the runs before that date, BigScience's Megatron-DeepSpeed
+  (its ColumnParallelLinear all-reduces in copy_to_tensor_model_parallel_region's backward), MT-NLG's engine and
+  Llama 3 (which describes no TP overlap) are costed without it.
 - MT-NLG 530B, arXiv 2201.11990, Sec. 2.4: Megatron's tensor parallelism in DeepSpeed's pipeline engine, t 8,
   p 35, batch 1,920 on 2,240, 2,800 and 3,360 A100; 60.1, 50.2 and 44.4 s per iteration. Missed: predicted 18-22%
   fast (MT_NLG_MISS says what was checked); reported beside the set's figures, not in them (`known_miss`).
@@ -92,6 +97,8 @@ class PublishedRun:
     overlap: bool = True
     scatter_gather: bool = True  # pipeline messages split over the tensor-parallel ranks (arXiv 2104.04473, 4.1)
     overlap_with_pipeline: bool = True  # data-parallel overlap also when pp > 1 (False: Megatron-LM, 2021)
+    async_tp_backward: bool = True  # column layers' input-gradient collectives beside their weight gradients
+    # (Megatron-LM since 2021-09; False: Megatron-LM before, Megatron-DeepSpeed's forks, and where nothing is said)
     attention: str = "flash"
     free: dict = field(default_factory=dict)  # unpublished knobs: the values the planner may choose among
     assumed: str = ""  # what the source does not say and we chose
@@ -217,7 +224,7 @@ def _megatron_table_1() -> list[PublishedRun]:
             f"Megatron-LM GPT {size:g}B", spec, Cluster.of(n, **A100), layout, batch, "mixed_adam_fp32_main_grads",
             f"{tflops} TFLOP/s per GPU", megatron_flops(batch, 2048, layers, h, 51200) / (n * tflops * 1e12),
             "arXiv 2104.04473, Table 1; examples/sc21/run_table_1.sh", overlap=ddp == "torch", attention="unfused",
-            overlap_with_pipeline=False,
+            overlap_with_pipeline=False, async_tp_backward=False,
             search=SOFTWARE["megatron-2021"]))
     return runs
 
@@ -260,7 +267,7 @@ def _mt_nlg(n_gpus: int, seconds: float, tflops: int) -> PublishedRun:
                         f"{seconds} s ({tflops} TFLOP/s per GPU)", seconds,
                         "arXiv 2201.11990, Sec. 2.4 (as quoted in cli99/llm-analysis, examples/megatron-turing-nlg)",
                         overlap=False, attention="unfused", free=dict(micro_batch=(1, 2, 4)),
-                        search=SOFTWARE["megatron-deepspeed-2022"],
+                        search=SOFTWARE["megatron-deepspeed-2022"], async_tp_backward=False,
                         assumed="DeepSpeed's pipeline engine reduces the gradients after the pipeline drains "
                                 "(ReduceGrads, the schedule's last step); fp16 with fp32 master weights",
                         known_miss=MT_NLG_MISS)
@@ -273,7 +280,7 @@ def _gpt3_1024() -> PublishedRun:
                         "mixed_adam_fp32_main_grads", "138 TFLOP/s per GPU (~32 s)",
                         megatron_flops(1536, 2048, 96, 12288, 51200) / (1024 * 138e12),
                         "Megatron-LM README (Jan 2021); examples/pretrain_gpt3_175B.sh", overlap=False,
-                        scatter_gather=False, overlap_with_pipeline=False, attention="unfused",
+                        scatter_gather=False, overlap_with_pipeline=False, async_tp_backward=False, attention="unfused",
                         search=SOFTWARE["megatron-2021-01"],
                         assumed="Megatron's 'local' DDP of 2021: gradients reduced after the backward")
 
@@ -298,6 +305,7 @@ def _bloom() -> PublishedRun:
                         "105.22 s per iteration", 105.22,
                         "arXiv 2211.05100, Sec. 3.4; bigscience train/tr11-176B-ml (slurm script, chronicles)",
                         overlap=False, attention="unfused", search=SOFTWARE["megatron-deepspeed-2022"],
+                        async_tp_backward=False,
                         assumed="Megatron-DeepSpeed's BF16 optimizer reduces the gradients after the backward")
 
 
@@ -353,7 +361,8 @@ def megatron_sweeps() -> list[tuple[int, int, str, tuple, str, list[PublishedRun
                                  Layout(dp=d, tp=t, pp=p, micro_batch=1, recompute="full"), batch,
                                  "mixed_adam_fp32_main_grads", f"Figure {figure}", None,
                                  f"arXiv 2104.04473, Figure {figure}; examples/sc21/run_figure_{figure}.sh",
-                                 overlap=False, attention="unfused", overlap_with_pipeline=False)
+                                 overlap=False, attention="unfused", overlap_with_pipeline=False,
+                                 async_tp_backward=False)
                     for d, t, p in layouts]
             out.append((figure, batch, order, index, words, runs))
     return out
@@ -373,7 +382,7 @@ def _llama3(n_gpus: int, cp: int, mfu: float) -> PublishedRun:
     return PublishedRun(
         f"Llama 3 405B, {n_gpus:,} GPUs, cp {cp}", spec, Cluster.of(n_gpus, **H100), layout, batch, "mixed_adam",
         f"BF16 MFU {mfu:.0%}" + ("" if step else " (memory only)"), step, "arXiv 2407.21783, Table 4 and Sec. 3.3",
-        search=SOFTWARE["llama3"], gpu="h100",
+        search=SOFTWARE["llama3"], gpu="h100", async_tp_backward=False,
         assumed="micro-batch 1; v = 8, one layer per chunk (Sec. 3.3.2: the first chunk of the first stage holds "
                 "only the embedding); sequence parallel, no TP overlap; FSDP sharding optimizer states and gradients "
                 "as ZeRO-2 with 16-bit gradients; MFU read as 6 Psi + 12 L s h per token")
