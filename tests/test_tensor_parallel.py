@@ -89,6 +89,53 @@ def test_column_and_row_parallel_match_nn_linear(world_size):
         assert all(all(r) for r in launch(fn, world_size)), fn
 
 
+def _backward_events() -> list[str]:
+    """What the backward of two column layers reading one input does, in order: products, and the all-reduce of dX
+    (started, waited for)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import shardlib.parallel.tensor as tensor
+
+    events, all_reduce = [], tensor.ops.all_reduce
+
+    class Products(TorchDispatchMode):  # what reaches the kernels, backward included
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default):
+                events.append("product")
+            return func(*args, **(kwargs or {}))
+
+    class Logged:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            events.append("wait")
+            return self.work.wait()
+
+    def logged_all_reduce(*args, async_op=False, **kwargs):
+        events.append("all_reduce, async" if async_op else "all_reduce")
+        work = all_reduce(*args, async_op=async_op, **kwargs)
+        return Logged(work) if async_op else work
+
+    full, _, x = _full_linear_pair()
+    layers = [ColumnParallelLinear.from_linear(full, copy_input=False) for _ in range(2)]
+    outputs = tensor.column_parallel_linears(x.clone().requires_grad_(), layers)
+    tensor.ops.all_reduce = logged_all_reduce
+    try:
+        with Products():
+            sum(y.sum() for y in outputs).backward()
+    finally:
+        tensor.ops.all_reduce = all_reduce
+    return events
+
+
+def test_column_input_gradient_is_all_reduced_while_the_weight_gradients_are_computed():
+    # Megatron-LM's asynchronous f (LinearWithGradAccumulationAndAsyncCommunication): dX first, its all-reduce
+    # started, the two dW products while it runs, then the wait; what the planner's async_tp_backward costs
+    for events in launch(_backward_events, 2):
+        assert events == ["product"] * 2 + ["all_reduce, async"] + ["product"] * 2 + ["wait"], events
+
+
 def _vocab_parallel_vs_torch(vocab: int, scale: float) -> list[bool]:
     rank, t = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)

@@ -25,7 +25,8 @@ residual) each rank holds the full (B, T, C).
 
 Communication per transformer layer (b batch, s sequence, h hidden), per rank:
     forward:  2 all-reduces of b*s*h elements (g after attention, g after the MLP)
-    backward: 2 all-reduces of b*s*h elements (f before attention, f before the MLP)
+    backward: 2 all-reduces of b*s*h elements (f before attention, f before the MLP), each started
+              while the layers it feeds compute their weight gradients (CopyIntoLinears)
 each costing 2(t-1)/t * b*s*h * bytes on a ring. The vocabulary-parallel embedding adds
 one b*s*h all-reduce forward, the output head's f one backward, the loss three of b*s forward.
 
@@ -99,6 +100,34 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
         return all_reduce_copy(grad, group=ctx.group), None  # (B, T, C): the sum of every rank's dX
 
 
+class CopyIntoLinears(torch.autograd.Function):
+    """f fused with the column-parallel layers that read its output (q, k and v read one): forward
+    Y_j = X W_j^T + b_j. Backward dX = sum_j dY_j W_j, all-reduced asynchronously while the dW_j = dY_j^T X are
+    computed: they need only what this rank holds, so the all-reduce hides behind them (Megatron-LM's
+    LinearWithGradAccumulationAndAsyncCommunication, by default since 2021-09; the planner's async_tp_backward).
+    apply(x, group, w_1, b_1, w_2, b_2, ...), a b_j may be None; returns (Y_1, Y_2, ...), each (B, T, out_j/t)."""
+
+    @staticmethod
+    def forward(ctx, x, group, *params):  # x: (B, T, C), the same on every rank
+        weights, biases = params[0::2], params[1::2]
+        ctx.group, ctx.has_bias = group, [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))  # each (B, T, out_j/t)
+
+    @staticmethod
+    def backward(ctx, *grads):  # each (B, T, out_j/t)
+        x, *weights = ctx.saved_tensors
+        grad_x = sum(grad @ weight for grad, weight in zip(grads, weights))  # this rank's part of dX (B, T, C)
+        work = ops.all_reduce(grad_x, group=ctx.group, async_op=True) if dist.get_world_size(ctx.group) > 1 else None
+        x, grad_params = x.flatten(0, -2), []  # (B*T, C)
+        for grad, has_bias in zip(grads, ctx.has_bias):  # while the all-reduce runs
+            grad = grad.flatten(0, -2)  # (B*T, out_j/t)
+            grad_params += [grad.t() @ x, grad.sum(0) if has_bias else None]  # dW_j (out_j/t, C), db_j
+        if work is not None:
+            work.wait()
+        return (grad_x, None, *grad_params)
+
+
 class ReduceFromTensorParallelRegion(torch.autograd.Function):
     """g: all-reduce forward, identity backward."""
 
@@ -141,12 +170,12 @@ def exit_tp_region(x: torch.Tensor, *, group=None, sequence_parallel: bool = Fal
 def column_parallel_linears(x: torch.Tensor, layers, *, group=None, sequence_parallel: bool = False,
                             keep_gathered_input: bool = False) -> tuple[torch.Tensor, ...]:
     """The outputs of column-parallel `layers` that read one input, entered once: f (one all-reduce
-    backward for all of them), or under sequence parallelism one all-gather of x (B, T/t, C), whose
-    shard is what backward keeps (GatherSequenceIntoLinears). Each output (B, T, out_j/t)."""
-    if not sequence_parallel:
-        x = enter_tp_region(x, group=group)  # (B, T, C)
-        return tuple(F.linear(x, layer.weight, layer.bias) for layer in layers)
+    backward for all of them, beside their weight gradients: CopyIntoLinears), or under sequence parallelism one
+    all-gather of x (B, T/t, C), whose shard is what backward keeps (GatherSequenceIntoLinears). Each output
+    (B, T, out_j/t)."""
     params = [p for layer in layers for p in (layer.weight, layer.bias)]
+    if not sequence_parallel:
+        return CopyIntoLinears.apply(x, group, *params)
     return GatherSequenceIntoLinears.apply(x, group, keep_gathered_input, *params)
 
 
