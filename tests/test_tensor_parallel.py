@@ -89,7 +89,7 @@ def test_column_and_row_parallel_match_nn_linear(world_size):
         assert all(all(r) for r in launch(fn, world_size)), fn
 
 
-def _backward_events() -> list[str]:
+def _backward_events(input_grad: bool) -> list[str]:
     """What the backward of two column layers reading one input does, in order: products, and the all-reduce of dX
     (started, waited for)."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -119,7 +119,7 @@ def _backward_events() -> list[str]:
 
     full, _, x = _full_linear_pair()
     layers = [ColumnParallelLinear.from_linear(full, copy_input=False) for _ in range(2)]
-    outputs = tensor.column_parallel_linears(x.clone().requires_grad_(), layers)
+    outputs = tensor.column_parallel_linears(x.clone().requires_grad_(input_grad), layers)
     tensor.ops.all_reduce = logged_all_reduce
     try:
         with Products():
@@ -132,8 +132,10 @@ def _backward_events() -> list[str]:
 def test_column_input_gradient_is_all_reduced_while_the_weight_gradients_are_computed():
     # Megatron-LM's asynchronous f (LinearWithGradAccumulationAndAsyncCommunication): dX first, its all-reduce
     # started, the two dW products while it runs, then the wait; what the planner's async_tp_backward costs
-    for events in launch(_backward_events, 2):
+    for events in launch(_backward_events, 2, args=(True,)):
         assert events == ["product"] * 2 + ["all_reduce, async"] + ["product"] * 2 + ["wait"], events
+    for events in launch(_backward_events, 2, args=(False,)):  # the first layer reads data: dW only, no all-reduce
+        assert events == ["product"] * 2, events
 
 
 def _vocab_parallel_vs_torch(vocab: int, scale: float) -> list[bool]:

@@ -117,8 +117,11 @@ class CopyIntoLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):  # each (B, T, out_j/t)
         x, *weights = ctx.saved_tensors
-        grad_x = sum(grad @ weight for grad, weight in zip(grads, weights))  # this rank's part of dX (B, T, C)
-        work = ops.all_reduce(grad_x, group=ctx.group, async_op=True) if dist.get_world_size(ctx.group) > 1 else None
+        grad_x, work = None, None
+        if ctx.needs_input_grad[0]:  # the model's first layer reads data: no dX, nothing to all-reduce
+            grad_x = sum(grad @ weight for grad, weight in zip(grads, weights))  # this rank's part of dX (B, T, C)
+            if dist.get_world_size(ctx.group) > 1:
+                work = ops.all_reduce(grad_x, group=ctx.group, async_op=True)
         x, grad_params = x.flatten(0, -2), []  # (B*T, C)
         for grad, has_bias in zip(grads, ctx.has_bias):  # while the all-reduce runs
             grad = grad.flatten(0, -2)  # (B*T, out_j/t)
