@@ -67,6 +67,28 @@ def test_sequence_parallel_pair_matches_nn_linear(world_size, keep_gathered_inpu
         assert kinds == ["all_gather"] + regather + ["reduce_scatter"], kinds  # g's backward, then the column's
 
 
+def _first_layer_backward(keep_gathered_input: bool) -> tuple[bool, list[str]]:
+    """A column layer reading data (no gradient wanted for it): its weight gradient, and the collectives of
+    backward."""
+    rank, t = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    first, x = nn.Linear(D_IN, D_OUT), torch.randn(B, T, D_IN)
+    first(x).sum().backward()
+    column = ColumnParallelLinear.from_linear(first, sequence_parallel=True, keep_gathered_input=keep_gathered_input)
+    rows, hidden = slice(rank * T // t, (rank + 1) * T // t), slice(rank * D_OUT // t, (rank + 1) * D_OUT // t)
+    y = column(x[:, rows])  # (B, T/t, C) of data in
+    with comm_ledger() as backward:
+        y.sum().backward()
+    return _close(column.weight.grad, first.weight.grad[hidden]), [r.kind for r in backward.records]
+
+
+@pytest.mark.parametrize("keep_gathered_input", [False, True])
+def test_a_first_layer_reading_data_reduce_scatters_no_input_gradient(keep_gathered_input):
+    # dW needs the gathered input; nobody needs dX, so it is neither computed nor reduce-scattered
+    for right, kinds in launch(_first_layer_backward, 2, args=(keep_gathered_input,)):
+        assert right and kinds == ([] if keep_gathered_input else ["all_gather"]), kinds
+
+
 # ---------------------------------------------------------------------------------
 # activation bytes per layer: measured, the course GPT's formula, the paper's
 

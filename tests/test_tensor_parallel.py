@@ -89,6 +89,34 @@ def test_column_and_row_parallel_match_nn_linear(world_size):
         assert all(all(r) for r in launch(fn, world_size)), fn
 
 
+def _column_under_autocast(sequence_parallel: bool) -> list[bool]:
+    """A column layer under autocast against nn.Linear under autocast: outputs in bf16, gradients in the parameters'
+    and the input's fp32, equal up to bf16 rounding (its products run in bf16 either way)."""
+    rank, t = dist.get_rank(), dist.get_world_size()
+    full, _, x = _full_linear_pair()
+    weights = torch.randn(B, T, D_OUT, generator=torch.Generator().manual_seed(7))
+    x_ref = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ref = full(x_ref)
+    (y_ref.float() * weights).sum().backward()
+    layer = ColumnParallelLinear.from_linear(full, sequence_parallel=sequence_parallel)
+    rows = slice(rank * T // t, (rank + 1) * T // t) if sequence_parallel else slice(None)  # this rank's positions
+    cols = slice(rank * D_OUT // t, (rank + 1) * D_OUT // t)
+    x_in = x[:, rows].clone().requires_grad_()  # (B, T/t, C) or (B, T, C)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x_in)
+    (y.float() * weights[..., cols]).sum().backward()
+    near = lambda a, b: a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=3e-2, atol=3e-2)  # noqa
+    return [near(y, y_ref[..., cols]), near(x_in.grad, x_ref.grad[:, rows]),
+            near(layer.weight.grad, full.weight.grad[cols]), near(layer.bias.grad, full.bias.grad[cols])]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_column_layers_run_under_autocast(sequence_parallel):
+    # autograd runs backward outside autocast: the bf16 output gradients meet fp32 weights there
+    assert all(all(r) for r in launch(_column_under_autocast, 2, args=(sequence_parallel,)))
+
+
 def _backward_events(input_grad: bool) -> list[str]:
     """What the backward of two column layers reading one input does, in order: products, and the all-reduce of dX
     (started, waited for)."""

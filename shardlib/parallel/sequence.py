@@ -119,6 +119,27 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return all_gather_along(grad, SEQUENCE_DIM, group=ctx.group), None  # (B, T/t, C) -> (B, T, C)
 
 
+def input_gradient(grads, weights) -> torch.Tensor:
+    """dX = sum_j dY_j W_j of linears that read one input, in the gradients' dtype: under autocast the outputs,
+    and so their gradients, are bf16 while the W_j stay fp32, and autocast's own linear multiplies in bf16."""
+    grad_x = grads[0] @ weights[0].to(grads[0].dtype)  # (B, T, C)
+    for grad, weight in zip(grads[1:], weights[1:]):
+        grad_x += grad @ weight.to(grad.dtype)
+    return grad_x
+
+
+def parameter_gradients(x, grads, weights, bias_dtypes, needed) -> list:
+    """[dW_1, db_1, dW_2, db_2, ...] of linears Y_j = X W_j^T + b_j: dW_j = dY_j^T X in W_j's dtype, db_j = sum dY_j in
+    b_j's (bias_dtypes[j]; None: no bias); None where `needed` (one flag per parameter, as autograd's
+    needs_input_grad) wants no gradient."""
+    x, out = x.flatten(0, -2), []  # (B*T, C)
+    for j, (grad, weight, bias_dtype) in enumerate(zip(grads, weights, bias_dtypes)):
+        grad = grad.flatten(0, -2)  # (B*T, out_j/t)
+        out.append((grad.t() @ x.to(grad.dtype)).to(weight.dtype) if needed[2 * j] else None)  # (out_j/t, C)
+        out.append(grad.sum(0).to(bias_dtype) if bias_dtype is not None and needed[2 * j + 1] else None)
+    return out
+
+
 class GatherSequenceIntoLinears(torch.autograd.Function):
     """f under sequence parallelism fused with the column-parallel layers that read its output (q, k
     and v read one, as Megatron's fused QKV does): all-gather T, then Y_j = X W_j^T + b_j for each.
@@ -131,7 +152,8 @@ class GatherSequenceIntoLinears(torch.autograd.Function):
     def forward(ctx, x, group, keep_gathered: bool, *params):
         full = all_gather_along(x, SEQUENCE_DIM, group=group)  # (B, T/t, C) -> (B, T, C)
         weights, biases = params[0::2], params[1::2]
-        ctx.group, ctx.keep_gathered, ctx.has_bias = group, keep_gathered, [b is not None for b in biases]
+        ctx.group, ctx.keep_gathered = group, keep_gathered
+        ctx.bias_dtypes = [None if b is None else b.dtype for b in biases]
         ctx.save_for_backward(full if keep_gathered else x, *weights)  # the shard (B, T/t, C), or (B, T, C)
         return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))  # each (B, T, out_j/t)
 
@@ -140,14 +162,14 @@ class GatherSequenceIntoLinears(torch.autograd.Function):
         saved, *weights = ctx.saved_tensors
         gathered = (lambda: saved) if ctx.keep_gathered else \
             all_gather_along(saved, SEQUENCE_DIM, group=ctx.group, async_op=True)  # started: (B, T, C)
-        grad_full = sum(grad @ weight for grad, weight in zip(grads, weights))  # dX (B, T, C), while it runs
-        full = gathered().flatten(0, -2)  # (B*T, C)
-        grad_shard = reduce_scatter_along(grad_full, SEQUENCE_DIM, group=ctx.group, async_op=True)  # (B, T/t, C)
-        grad_params = []
-        for grad, has_bias in zip(grads, ctx.has_bias):  # while the reduce-scatter runs
-            grad = grad.flatten(0, -2)  # (B*T, out_j/t)
-            grad_params += [grad.t() @ full, grad.sum(0) if has_bias else None]  # dW_j (out_j/t, C), db_j
-        return (grad_shard(), None, None, *grad_params)
+        grad_shard = None
+        if ctx.needs_input_grad[0]:  # a first layer reading data needs no dX
+            grad_full = input_gradient(grads, weights)  # dX (B, T, C), while the gather runs
+        full = gathered()
+        if ctx.needs_input_grad[0]:
+            grad_shard = reduce_scatter_along(grad_full, SEQUENCE_DIM, group=ctx.group, async_op=True)  # (B, T/t, C)
+        grad_params = parameter_gradients(full, grads, weights, ctx.bias_dtypes, ctx.needs_input_grad[3:])  # meanwhile
+        return (None if grad_shard is None else grad_shard().to(saved.dtype), None, None, *grad_params)
 
 
 # ---------------------------------------------------------------------------------

@@ -50,6 +50,8 @@ from shardlib.parallel.sequence import (
     GatherSequenceIntoLinears,
     ReduceScatterToSequenceParallelRegion,
     all_gather_along,
+    input_gradient,
+    parameter_gradients,
 )
 
 def rank_and_size(group=None) -> tuple[int, int]:
@@ -110,7 +112,7 @@ class CopyIntoLinears(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, *params):  # x: (B, T, C), the same on every rank
         weights, biases = params[0::2], params[1::2]
-        ctx.group, ctx.has_bias = group, [b is not None for b in biases]
+        ctx.group, ctx.bias_dtypes = group, [None if b is None else b.dtype for b in biases]
         ctx.save_for_backward(x, *weights)
         return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))  # each (B, T, out_j/t)
 
@@ -119,16 +121,13 @@ class CopyIntoLinears(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         grad_x, work = None, None
         if ctx.needs_input_grad[0]:  # the model's first layer reads data: no dX, nothing to all-reduce
-            grad_x = sum(grad @ weight for grad, weight in zip(grads, weights))  # this rank's part of dX (B, T, C)
+            grad_x = input_gradient(grads, weights)  # this rank's part of dX (B, T, C)
             if dist.get_world_size(ctx.group) > 1:
                 work = ops.all_reduce(grad_x, group=ctx.group, async_op=True)
-        x, grad_params = x.flatten(0, -2), []  # (B*T, C)
-        for grad, has_bias in zip(grads, ctx.has_bias):  # while the all-reduce runs
-            grad = grad.flatten(0, -2)  # (B*T, out_j/t)
-            grad_params += [grad.t() @ x, grad.sum(0) if has_bias else None]  # dW_j (out_j/t, C), db_j
+        grad_params = parameter_gradients(x, grads, weights, ctx.bias_dtypes, ctx.needs_input_grad[2:])  # meanwhile
         if work is not None:
             work.wait()
-        return (grad_x, None, *grad_params)
+        return (None if grad_x is None else grad_x.to(x.dtype), None, *grad_params)
 
 
 class ReduceFromTensorParallelRegion(torch.autograd.Function):

@@ -41,8 +41,9 @@ def vocab_rows(spec, t):
 
 def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attention: str, scale: float = 1.0):
     """Seconds of one layer, one micro-batch: dict(gemm_fwd, gemm_bwd, attn_fwd, attn_bwd, elem_fwd, elem_bwd,
-    scores_fwd, wgrad_columns). gemm_*: the weight products; wgrad_columns: a list, the weight-gradient product of
-    each column-parallel layer (QKV, and the up projection of a dense MLP), part of gemm_bwd; attn_*: the attention core (its backward holds FlashAttention's
+    scores_fwd, wgrad_columns, wgrad_head). gemm_*: the weight products; wgrad_columns: a list, the weight-gradient
+    product of each column-parallel layer (QKV, and the up projection of a dense MLP), part of gemm_bwd; wgrad_head:
+    the output layer's (a column-parallel layer too, on the last stage only); attn_*: the attention core (its backward holds FlashAttention's
     recompute); elem_*: the memory-bound kernels, of which scores_fwd the written-out scores' (what selective
     recomputation runs again beside attn_fwd);
     attention: the kernel (cost.ATTENTION); scale: bytes per value over 2 (1 for 16-bit training) for the
@@ -66,6 +67,7 @@ def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attent
     # hide behind in Megatron-LM's backward (cost_comm.py); the experts' up projection is not counted
     columns = [shapes[0]] + ([] if spec.moe else [shapes[2]])
     wgrad = [matmul_seconds(k, n, m, cluster, fraction, hbm_fraction) for m, n, k in columns]
+    wgrad_head = matmul_seconds(h, vocab_rows(spec, t), tokens, cluster, fraction, hbm_fraction)  # the output layer's
     if spec._extra_layer_params():  # parameters `n_params` adds, at the rate of the QKV product
         extra = spec._extra_layer_params() / t
         qkv_flops = 2.0 * tokens * (h + 2 * kv) / t * h
@@ -76,7 +78,7 @@ def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attent
     scores = scores_traffic(spec, c, flash=attention != "unfused") * per_byte
     elem = layer_traffic(spec, c) * per_byte + scores  # forward
     return dict(gemm_fwd=gemm_fwd, gemm_bwd=gemm_bwd, attn_fwd=attn_fwd, attn_bwd=attn_bwd, elem_fwd=elem,
-                elem_bwd=2 * elem, scores_fwd=scores, wgrad_columns=wgrad)
+                elem_bwd=2 * elem, scores_fwd=scores, wgrad_columns=wgrad, wgrad_head=wgrad_head)
 
 
 def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attention: str):

@@ -50,8 +50,10 @@ micro-batch (forward + backward + exposed TP, CP, EP) on the slowest stage:
                 sequence.py). On the critical path, unless tp_overlap: then each pass's collectives hide
                 behind that pass's products by the overlap rule (shardlib/plan/links.py). Without it, the
                 backward's 2 per layer at the column-parallel layers' inputs (all-reduces, or reduce-scatters
-                with sequence parallelism) each hide behind that layer's weight-gradient product, as
-                Megatron-LM has run them by default since September 2021 (async_tp_backward; cost_comm.py).
+                with sequence parallelism), and the output layer's, each run beside that layer's weight-gradient
+                product and hide behind it by the same rule (at least kappa / (1 + kappa) of each stays), as
+                Megatron-LM has run them by default since September 2021 (async_tp_backward; cost_comm.py); an
+                MoE layer's experts give their up projection's collective no such product, so it stays whole.
   CP            ring attention: each layer forward sends the local K, V block c-1 times (arXiv 2310.01889),
                 backward K, V again (c-1) and dK, dV round the whole ring (c); hidden behind the attention
                 core by the overlap rule. Ulysses: 4 all-to-alls per pass of (c-1)/c of q, k, v, out

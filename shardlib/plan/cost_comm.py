@@ -91,7 +91,8 @@ def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, d
     out.append(Collective("tp", "all_gather", bsh, m * regathers, tp_ring))
     regather_s = exposed(regathers * tp_ring.time("all_gather", bsh), layers * one["gemm_bwd"] / 2)
     tp_pass = per_pass * tp_ring.time("all_reduce", bsh)
-    tp_ends = (first + last) * tp_ring.time("all_reduce", bsh) + last * 3 * tp_ring.time("all_reduce", tokens * 4.0)
+    head = _async_head(c, tp_ring, bsh, one["wgrad_head"], async_tp_backward)  # the output layer's f (or its SP pair)
+    tp_ends = first * tp_ring.time("all_reduce", bsh) + last * head + last * 3 * tp_ring.time("all_reduce", tokens * 4.0)
     overlapped = c.tp_overlap > 0
     fwd_hidden = exposed(tp_pass, layers * one["gemm_fwd"])
     bwd_hidden = exposed(tp_pass, layers * one["gemm_bwd"])
@@ -177,6 +178,16 @@ def _async_backward(c, ring: Ring, bsh, layers, wgrad_columns, on: bool):
     windows = list(wgrad_columns) + [torch.zeros_like(column)] * (int(n_columns) - len(wgrad_columns))
     left = sum(exposed(column, window) for window in windows)
     return layers * (left + 2 * row), layers * (n_columns * column - left)
+
+
+def _async_head(c, ring: Ring, bsh, wgrad_head, on: bool):
+    """Exposed seconds of the output layer's tensor-parallel collectives per micro-batch: an all-reduce of dX in
+    backward (with sequence parallelism an all-gather of its input forward and a reduce-scatter of dX), the backward
+    one beside the layer's weight gradient when `on` (Megatron-LM's parallel_lm_logits runs the same asynchronous
+    linear as the layers)."""
+    backward = torch.where(c.sp > 0, ring.time("reduce_scatter", bsh), ring.time("all_reduce", bsh))
+    forward = c.sp * ring.time("all_gather", bsh)
+    return forward + (exposed(backward, wgrad_head) if on else backward)
 
 
 def _data_parallel(c, m, layers, param_bytes, grad_bytes, ring: Ring, windows, overlap):

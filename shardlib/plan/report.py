@@ -42,9 +42,10 @@ ASSUMPTIONS = {
                  "model (arXiv 2205.05198, compute.py) and the recipe's bytes per parameter; the forward run again "
                  "costs the other its products",
     "elementwise": "memory-bound kernels at the fitted fraction of HBM bandwidth",
-    "tp": "tensor-parallel all-reduces on the critical path at the fitted fraction of the link bandwidth (all of "
-          "them hidden by the overlap rule only with tp_overlap; without it, only the backward's at the column "
-          "layers' inputs, behind their weight gradients, where async_tp_backward)",
+    "tp": "tensor-parallel collectives (all-reduces; all-gathers and reduce-scatters with sequence parallelism) on "
+          "the critical path at the fitted fraction of the link bandwidth (with tp_overlap all of them hidden by the "
+          "overlap rule; without it only the backward's at the column-parallel layers' inputs, behind their weight "
+          "gradients, with async_tp_backward, the default)",
     "cp": "ring-attention blocks hidden behind attention by the overlap rule (kappa = 18.9%, links.py); Ulysses' "
           "all-to-alls and the all-gather method's K, V gathers on the critical path",
     "stage balance": "the slowest pipeline stage sets the pace: its share of the layers, and on the last stage the "
