@@ -41,9 +41,9 @@ def vocab_rows(spec, t):
 
 def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attention: str, scale: float = 1.0):
     """Seconds of one layer, one micro-batch: dict(gemm_fwd, gemm_bwd, attn_fwd, attn_bwd, elem_fwd, elem_bwd,
-    scores_fwd, wgrad_columns, wgrad_head). gemm_*: the weight products; wgrad_columns: a list, the weight-gradient
-    product of each column-parallel layer (QKV, and the up projection of a dense MLP), part of gemm_bwd; wgrad_head:
-    the output layer's (a column-parallel layer too, on the last stage only); attn_*: the attention core (its backward holds FlashAttention's
+    scores_fwd, wgrad_columns). gemm_*: the weight products; wgrad_columns: a list, the weight-gradient product of
+    each column-parallel layer (QKV, and the up projection of a dense MLP), part of gemm_bwd; attn_*: the attention
+    core (its backward holds FlashAttention's
     recompute); elem_*: the memory-bound kernels, of which scores_fwd the written-out scores' (what selective
     recomputation runs again beside attn_fwd);
     attention: the kernel (cost.ATTENTION); scale: bytes per value over 2 (1 for 16-bit training) for the
@@ -67,7 +67,6 @@ def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attent
     # hide behind in Megatron-LM's backward (cost_comm.py); the experts' up projection is not counted
     columns = [shapes[0]] + ([] if spec.moe else [shapes[2]])
     wgrad = [matmul_seconds(k, n, m, cluster, fraction, hbm_fraction) for m, n, k in columns]
-    wgrad_head = matmul_seconds(h, vocab_rows(spec, t), tokens, cluster, fraction, hbm_fraction)  # the output layer's
     if spec._extra_layer_params():  # parameters `n_params` adds, at the rate of the QKV product
         extra = spec._extra_layer_params() / t
         qkv_flops = 2.0 * tokens * (h + 2 * kv) / t * h
@@ -78,7 +77,7 @@ def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attent
     scores = scores_traffic(spec, c, flash=attention != "unfused") * per_byte
     elem = layer_traffic(spec, c) * per_byte + scores  # forward
     return dict(gemm_fwd=gemm_fwd, gemm_bwd=gemm_bwd, attn_fwd=attn_fwd, attn_bwd=attn_bwd, elem_fwd=elem,
-                elem_bwd=2 * elem, scores_fwd=scores, wgrad_columns=wgrad, wgrad_head=wgrad_head)
+                elem_bwd=2 * elem, scores_fwd=scores, wgrad_columns=wgrad)
 
 
 def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attention: str):
@@ -99,13 +98,15 @@ def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, at
 
 
 def output_layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float):
-    """(forward, backward) seconds of the last stage's output layer: the (T, V / t, h) product, and the
+    """(forward, backward, wgrad) seconds of the last stage's output layer: the (T, V / t, h) product, and the
     cross-entropy over its fp32 logits, memory-bound: cast (read 2, write 4 bytes), max (read 4), exp and sum
-    (read 4), softmax and its gradient (read 4, write 4), the gradient back to 16 bits (read 4, write 2)."""
+    (read 4), softmax and its gradient (read 4, write 4), the gradient back to 16 bits (read 4, write 2); wgrad:
+    its weight-gradient product alone, part of backward (a column-parallel layer too: cost_comm.py)."""
     tokens, rows = c.micro_batch * spec.seq_len / c.cp, vocab_rows(spec, c.tp)
     forward, backward = forward_backward_seconds(tokens, rows, spec.hidden, cluster, fraction, hbm_fraction)
+    wgrad = matmul_seconds(spec.hidden, rows, tokens, cluster, fraction, hbm_fraction)
     loss = LOSS_BYTES * tokens * rows / (cluster.hbm_bw_gbps * 1e9 * hbm_fraction)
-    return forward + loss / 2, backward + loss / 2
+    return forward + loss / 2, backward + loss / 2, wgrad
 
 
 def layer_traffic(spec, c):

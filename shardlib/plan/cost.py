@@ -348,7 +348,7 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, opt
     fraction = cluster.matmul_fraction if options.efficiency is None else options.efficiency
     hbm = options.hbm
     one = layer_seconds(spec, cluster, c, fraction, hbm, options.attention, e / 2)
-    out_fwd, out_bwd = output_layer_seconds(spec, cluster, c, fraction, hbm)
+    out_fwd, out_bwd, out_wgrad = output_layer_seconds(spec, cluster, c, fraction, hbm)
     full, selective = (c.recompute == 2).double(), (c.recompute == 1).double() * (not flash)
     gemm_fwd = layers * (one["gemm_fwd"] + one["attn_fwd"]) + last * out_fwd
     redo = layers * (full * (one["gemm_fwd"] + one["attn_fwd"] + one["elem_fwd"])
@@ -363,7 +363,7 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, opt
     dp_overlap = torch.as_tensor(options.overlap) & ((p == 1) | options.overlap_with_pipeline)  # per layout
     comm = stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, dp_overlap, options.link,
                                options.scatter_gather, psi_dense, psi_expert, forward_s, backward_s,
-                               options.async_tp_backward)
+                               options.async_tp_backward, out_wgrad)
     micro = forward_s + backward_s + comm.tp + comm.cp + comm.ep  # one micro-batch on this stage
     bubble = (p - 1) / v * micro
     optimizer_s = sharded * (2 * recipe.optimizer + recipe.grads + e) / hbm_rate

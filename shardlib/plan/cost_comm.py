@@ -53,13 +53,13 @@ class StageComm:
 
 def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, dp_overlap, link: tuple,
                         scatter_gather: bool, psi_dense, psi_expert, forward_s, backward_s,
-                        async_tp_backward: bool = True) -> StageComm:
+                        async_tp_backward: bool = True, head_wgrad=0.0) -> StageComm:
     """Collectives and exposed seconds of stage k's GPUs; `one`: compute.layer_seconds of one layer; dp_overlap: a
     column, whether each layout's data-parallel traffic overlaps compute; link: the fractions of the links'
     bandwidth collectives reach (inside a node, across); scatter_gather: pipeline messages split over the
     tensor-parallel ranks and gathered by the receivers (else each rank sends all of it); async_tp_backward: each
     column-parallel layer's input-gradient all-reduce (reduce-scatter with sequence parallelism) runs beside its
-    weight-gradient product (else on the critical path)."""
+    weight-gradient product (else on the critical path); head_wgrad: the output layer's weight-gradient seconds."""
     d, t, p, cp, ep, v = c.dp, c.tp, c.pp, c.cp, c.ep, c.virtual
     e, eg = recipe.params, recipe.grads
     alpha = cluster.alpha_us * 1e-6
@@ -91,16 +91,18 @@ def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, d
     out.append(Collective("tp", "all_gather", bsh, m * regathers, tp_ring))
     regather_s = exposed(regathers * tp_ring.time("all_gather", bsh), layers * one["gemm_bwd"] / 2)
     tp_pass = per_pass * tp_ring.time("all_reduce", bsh)
-    head = _async_head(c, tp_ring, bsh, one["wgrad_head"], async_tp_backward)  # the output layer's f (or its SP pair)
-    tp_ends = first * tp_ring.time("all_reduce", bsh) + last * head + last * 3 * tp_ring.time("all_reduce", tokens * 4.0)
+    # the backward's collectives at the column layers' inputs, each beside its layer's dW (async_tp_backward)
+    hidden = _hidden_input_gradients(c, tp_ring, bsh, one["wgrad_columns"], async_tp_backward)
+    head_hidden = _hidden_input_gradients(c, tp_ring, bsh, [head_wgrad], async_tp_backward)  # the output layer's
+    tp_ends = ((first + last) * tp_ring.time("all_reduce", bsh) - last * head_hidden
+               + last * 3 * tp_ring.time("all_reduce", tokens * 4.0))
     overlapped = c.tp_overlap > 0
     fwd_hidden = exposed(tp_pass, layers * one["gemm_fwd"])
     bwd_hidden = exposed(tp_pass, layers * one["gemm_bwd"])
-    bwd_async, async_busy = _async_backward(c, tp_ring, bsh, layers, one["wgrad_columns"], async_tp_backward)
-    tp_s = torch.where(overlapped, fwd_hidden * (1 + full) + bwd_hidden, tp_pass * (1 + full) + bwd_async) + tp_ends
-    tp_s = tp_s + regather_s + c.sp * tp_ring.time("all_reduce", replicated) / m  # that last once a step
+    tp_s = torch.where(overlapped, fwd_hidden * (1 + full) + bwd_hidden, tp_pass * (2 + full) - layers * hidden)
+    tp_s = tp_s + tp_ends + regather_s + c.sp * tp_ring.time("all_reduce", replicated) / m  # that last once a step
     tp_busy = torch.where(overlapped, tp_pass - fwd_hidden, 0.0)  # NVLink time hidden behind each pass
-    async_busy = torch.where(overlapped, 0.0, async_busy)  # ... and behind the backward's weight gradients
+    async_busy = torch.where(overlapped, 0.0, layers * hidden)  # ... and behind the backward's weight gradients
 
     # -- context parallelism ---------------------------------------------------------------------
     kv = tokens * 2 * spec.hidden * spec.kv_heads / spec.n_head / t * e  # this rank's K and V block
@@ -163,31 +165,18 @@ def stage_communication(spec, cluster, c, m, first, last, layers, one, recipe, d
     return StageComm(tp_s, cp_s, ep_s, pp_s, dense_s + expert_s, out)
 
 
-def _async_backward(c, ring: Ring, bsh, layers, wgrad_columns, on: bool):
-    """(exposed seconds, seconds hidden) of one backward pass's tensor-parallel collectives over a stage, without
-    tp_overlap. Each column-parallel layer's input gradient is all-reduced, or reduce-scattered with sequence
-    parallelism; with `on`, asynchronously, while the same layer computes its weight gradient, by the overlap rule
-    (Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication, on by default since 2021-09-07: merge
-    b462d2545d, "--no-async-tensor-model-parallel-allreduce"). Sequence parallelism's other backward collective,
-    the all-gather of each row-parallel layer's output gradient, stays on the critical path."""
-    column = torch.where(c.sp > 0, ring.time("reduce_scatter", bsh), ring.time("all_reduce", bsh))
-    row = c.sp * ring.time("all_gather", bsh)
-    n_columns = 2.0  # QKV and the MLP's up projection (in an MoE layer, the experts' is not timed: no window)
+def _hidden_input_gradients(c, ring: Ring, bsh, wgrads, on: bool):
+    """Seconds of the input-gradient collectives of column-parallel layers (all-reduces, reduce-scatters with
+    sequence parallelism) that hide, one per layer, behind that layer's weight-gradient product of `wgrads` seconds,
+    by the overlap rule, when `on` (else none): Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication, on by
+    default since 2021-09-07 (merge b462d2545d, "--no-async-tensor-model-parallel-allreduce"), which its
+    parallel_lm_logits runs for the output layer too. A layer without a product in `wgrads` (an MoE layer's experts)
+    hides nothing; sequence parallelism's other backward collective, the all-gather of each row-parallel layer's
+    output gradient, stays on the critical path."""
     if not on:
-        return layers * (n_columns * column + 2 * row), torch.zeros_like(column)
-    windows = list(wgrad_columns) + [torch.zeros_like(column)] * (int(n_columns) - len(wgrad_columns))
-    left = sum(exposed(column, window) for window in windows)
-    return layers * (left + 2 * row), layers * (n_columns * column - left)
-
-
-def _async_head(c, ring: Ring, bsh, wgrad_head, on: bool):
-    """Exposed seconds of the output layer's tensor-parallel collectives per micro-batch: an all-reduce of dX in
-    backward (with sequence parallelism an all-gather of its input forward and a reduce-scatter of dX), the backward
-    one beside the layer's weight gradient when `on` (Megatron-LM's parallel_lm_logits runs the same asynchronous
-    linear as the layers)."""
-    backward = torch.where(c.sp > 0, ring.time("reduce_scatter", bsh), ring.time("all_reduce", bsh))
-    forward = c.sp * ring.time("all_gather", bsh)
-    return forward + (exposed(backward, wgrad_head) if on else backward)
+        return torch.zeros_like(c.sp)
+    column = torch.where(c.sp > 0, ring.time("reduce_scatter", bsh), ring.time("all_reduce", bsh))
+    return sum(column - exposed(column, wgrad) for wgrad in wgrads)
 
 
 def _data_parallel(c, m, layers, param_bytes, grad_bytes, ring: Ring, windows, overlap):
