@@ -127,6 +127,22 @@ def test_flops_counted_by_pytorch(mode, extra):
     assert counter.get_total_flops() == 3 * forward + repeated, f"{mode}: {counter.get_total_flops()} FLOPs"
 
 
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_pytorchs_checkpoint_stops_before_the_last_product(early_stop):
+    # PyTorch's non-reentrant checkpoint (by default since 2.1, pytorch/pytorch#96866) stops recomputing once it has
+    # every tensor the backward saved: in a block that is the MLP's down-projection input, so the down projection's
+    # forward (2 b s 4h h FLOPs) and the add after it are not run again. shardlib's `recompute`, like Megatron-LM's,
+    # runs the whole forward again (test_flops_counted_by_pytorch); the planner's checkpoint_early_stop is this
+    s, b, h = CONFIG.seq_len, 2, CONFIG.n_embd
+    block = apply_recompute(build_gpt(CONFIG, seed=0), None).blocks[0]
+    x = torch.randn(b, s, h, requires_grad=True)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop), FlopCounterMode(display=False) as counter:
+        checkpoint(block, x, use_reentrant=False).sum().backward()
+    forward = 2 * b * s * h * (3 * h) + 2 * b * s * h * h + 2 * b * s * h * 8 * h + 2 * b * s * s * h * 2
+    down = 2 * b * s * 4 * h * h
+    assert counter.get_total_flops() == 3 * forward + forward - (down if early_stop else 0)
+
+
 def test_eager_attention_equals_pytorchs():
     q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -28,7 +28,11 @@ The paper's 16-bit count, s b h (34 + 5 a s / h) bytes, is the same list with dr
 and outputs add 2 sbh + 3 a s^2 b bytes (shardlib.memory.activation_bytes_per_layer).
 
 Extra compute per step (matmul FLOPs, forward of one layer = 24 b s h^2 + 4 b s^2 h):
-full recomputation repeats the whole forward (training costs 4 forwards instead of 3, +33%);
+full recomputation repeats the whole forward (training costs 4 forwards instead of 3, +33%), as
+`recompute` and Megatron-LM's checkpoint do; PyTorch's non-reentrant checkpoint, since 2.1, stops once
+every saved tensor is back, before the MLP's down projection: 8 b s h^2 fewer FLOPs per layer, a third
+of its weight products, so about 3 2/3 forwards instead of 4 (pytorch/pytorch#96866; tests/test_recompute.py;
+the planner's checkpoint_early_stop);
 selective repeats only the core's 4 b s^2 h (`recompute_flops`). Memory per rank and
 communication are otherwise the model's: recomputation moves no bytes between ranks (under
 tensor parallelism a recomputed forward would repeat its all-reduces; not here).

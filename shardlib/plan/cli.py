@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     job.add_argument("--sync-tp-backward", action="store_true", help="the column-parallel layers' input-gradient "
                      "all-reduces wait on the critical path, as in Megatron-LM before September 2021 and "
                      "Megatron-DeepSpeed (default: each beside its weight-gradient product, Megatron-LM's since)")
+    job.add_argument("--checkpoint-early-stop", action="store_true", help="full recomputation stops at each "
+                     "layer's last saved tensor, skipping the MLP's down projection, as PyTorch's non-reentrant "
+                     "checkpoint does since 2.1 (FSDP, torchtitan; default: the whole layer again, as Megatron-LM)")
     job.add_argument("--attention", default="flash", choices=ATTENTION, help="FlashAttention-2 (default), "
                      "FlashAttention's Triton kernel (at its fitted speed, shardlib/plan/fitted.py, which "
                      "--efficiency leaves alone), or the scores written out")
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster = _cluster(args)
         options = dict(recipe=args.recipe, efficiency=args.efficiency, overlap=not args.no_overlap,
                        attention=args.attention, reserve_gib=args.reserve_gib, headroom=args.headroom,
-                       async_tp_backward=not args.sync_tp_backward)
+                       async_tp_backward=not args.sync_tp_backward, checkpoint_early_stop=args.checkpoint_early_stop)
         if args.evaluate:
             estimate = predict(spec, cluster, _layout(args, cluster.n_gpus), args.global_batch, **options)
             print(json.dumps({"model": spec.name, "cluster": asdict(cluster), "global_batch": args.global_batch,

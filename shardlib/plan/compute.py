@@ -30,6 +30,7 @@ from shardlib.plan.gemm import forward_backward_seconds, matmul_seconds
 FLASH_FRACTION = 0.615 / 0.859  # FlashAttention-2 on A100: 50-73% of peak (midpoint), a large product 85.9%
 LOSS_BYTES = 2 + 4 + 4 + 4 + 8 + 6  # per logit, the cross-entropy's passes (output_layer_seconds)
 FLASH_BACKWARD = 2.5  # FLOPs of FlashAttention's backward over its forward: 5 products of the forward's 2
+RESIDUAL_ADD_BYTES = 7  # s b h bytes of the layer's last bias-dropout-add (layer_traffic's 22 holds two)
 OUTPUT_LAYER_INPUTS = 4  # s b h bytes the last stage keeps: the final norm's input and the output layer's (Sec. 4.3)
 
 
@@ -41,8 +42,12 @@ def vocab_rows(spec, t):
 
 def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attention: str, scale: float = 1.0):
     """Seconds of one layer, one micro-batch: dict(gemm_fwd, gemm_bwd, attn_fwd, attn_bwd, elem_fwd, elem_bwd,
-    scores_fwd, wgrad_columns). gemm_*: the weight products; wgrad_columns: a list, the weight-gradient product of
-    each column-parallel layer (QKV, and the up projection of a dense MLP), part of gemm_bwd; attn_*: the attention
+    scores_fwd, wgrad_columns, tail_gemm, tail_elem). gemm_*: the weight products; wgrad_columns: a list, the
+    weight-gradient product of each column-parallel layer (QKV, and the up projection of a dense MLP), part of
+    gemm_bwd; tail_*: the forward after the layer's last saved tensor, the MLP's down projection (the experts' in
+    an MoE layer; part of gemm_fwd) and the residual add after it (part of elem_fwd), which PyTorch's
+    non-reentrant checkpoint does not run again (its early stop: cost.Options.checkpoint_early_stop); attn_*: the
+    attention
     core (its backward holds FlashAttention's
     recompute); elem_*: the memory-bound kernels, of which scores_fwd the written-out scores' (what selective
     recomputation runs again beside attn_fwd);
@@ -76,8 +81,10 @@ def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attent
     per_byte = scale / (cluster.hbm_bw_gbps * 1e9 * hbm_fraction)
     scores = scores_traffic(spec, c, flash=attention != "unfused") * per_byte
     elem = layer_traffic(spec, c) * per_byte + scores  # forward
+    sbh = tokens * h / torch.where(c.sp > 0, t, 1.0)
     return dict(gemm_fwd=gemm_fwd, gemm_bwd=gemm_bwd, attn_fwd=attn_fwd, attn_bwd=attn_bwd, elem_fwd=elem,
-                elem_bwd=2 * elem, scores_fwd=scores, wgrad_columns=wgrad)
+                elem_bwd=2 * elem, scores_fwd=scores, wgrad_columns=wgrad,
+                tail_gemm=times[3][0], tail_elem=RESIDUAL_ADD_BYTES * sbh * per_byte)  # shapes[3]: down projection
 
 
 def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attention: str):

@@ -37,7 +37,9 @@ Seconds per step = m T + (p-1)/v T + PP sends + exposed DP + optimizer step + of
 micro-batch (forward + backward + exposed TP, CP, EP) on the slowest stage:
   compute       shardlib/plan/compute.py: each matrix product by the GPU's shape-dependent curve
                 (shardlib/plan/gemm.py), the attention core, memory-bound kernels at HBM bandwidth.
-                Full recomputation runs the forward again; selective, the attention core (its products and
+                Full recomputation runs the forward again (with checkpoint_early_stop, less the MLP's down
+                projection and the add after it: PyTorch's non-reentrant checkpoint since 2.1 stops at the last
+                saved tensor, pytorch/pytorch#96866); selective, the attention core (its products and
                 its written-out scores). A recipe that adds each micro-batch's gradients into a separate sum
                 after the backward (memory.Recipe.accumulate: DeepSpeed's BF16_Optimizer) moves its bytes per
                 parameter of the stage at HBM bandwidth, once per micro-batch.
@@ -229,6 +231,7 @@ class Options:
     scatter_gather: bool = True  # arXiv 2104.04473, Sec. 4.1
     overlap_with_pipeline: bool = True  # False: DP overlap only without a pipeline (Megatron-LM, 2021)
     async_tp_backward: bool = True  # False: the column layers' input-gradient collectives wait (before 2021-09)
+    checkpoint_early_stop: bool = False  # full recomputation stops at the last saved tensor (PyTorch >= 2.1)
 
 
 def layers_of_stage(n_layer: int, p, k):
@@ -351,8 +354,12 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, opt
     out_fwd, out_bwd, out_wgrad = output_layer_seconds(spec, cluster, c, fraction, hbm)
     full, selective = (c.recompute == 2).double(), (c.recompute == 1).double() * (not flash)
     gemm_fwd = layers * (one["gemm_fwd"] + one["attn_fwd"]) + last * out_fwd
-    redo = layers * (full * (one["gemm_fwd"] + one["attn_fwd"] + one["elem_fwd"])
-                     + selective * (one["attn_fwd"] + one["scores_fwd"]))  # what recomputation runs again
+    # what recomputation runs again: under full, the layer's forward, less what follows its last saved tensor where
+    # the checkpoint stops there (PyTorch's non-reentrant checkpoint since 2.1, pytorch/pytorch#96866)
+    stop = float(options.checkpoint_early_stop)
+    redo = layers * (full * (one["gemm_fwd"] + one["attn_fwd"] + one["elem_fwd"]
+                             - stop * (one["tail_gemm"] + one["tail_elem"]))
+                     + selective * (one["attn_fwd"] + one["scores_fwd"]))
     gemm_bwd = layers * (one["gemm_bwd"] + one["attn_bwd"]) + last * out_bwd
     elem_fwd, elem_bwd = layers * one["elem_fwd"], layers * one["elem_bwd"]
     hbm_rate = cluster.hbm_bw_gbps * 1e9 * hbm  # bytes/s of the memory-bound passes over the model states
@@ -372,8 +379,8 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, opt
     grads_down = offloaded * recipe.grads / (cluster.pcie_bw_gbps * 1e9)
     offload_s = cpu_adam + offloaded * e / (cluster.pcie_bw_gbps * 1e9) + exposed(grads_down, backward_s,
                                                                                     options.overlap)
-    compute = m * (gemm_fwd + gemm_bwd + layers * full * (one["gemm_fwd"] + one["attn_fwd"])
-                   + layers * selective * one["attn_fwd"])
+    again = one["gemm_fwd"] + one["attn_fwd"] - stop * one["tail_gemm"]  # the products full recomputation runs
+    compute = m * (gemm_fwd + gemm_bwd + layers * full * again + layers * selective * one["attn_fwd"])
     time = StepTime(compute, m * (forward_s + backward_s) - compute, m * comm.tp, m * comm.cp, m * comm.ep, bubble,
                     comm.pp, comm.dp, torch.where(c.offload > 0, 0.0, optimizer_s), offload_s)
     sent = Traffic(comm.dp_sent, comm.tp_sent, comm.pp_sent, comm.cp_sent, comm.ep_sent,

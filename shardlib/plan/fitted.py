@@ -18,4 +18,4 @@ first version reaches 25-40% of an A100's peak (arXiv 2307.08691, Sec. 1), Flash
 """
 
 FITTED = dict(a100=0.8587, h100=0.6802, nvlink=0.7674, network=0.9999, hbm=0.87)
-ATTENTION_TRITON = dict(a100=0.31, h100=0.19)
+ATTENTION_TRITON = dict(a100=0.31, h100=0.18)

@@ -16,8 +16,19 @@ fsdp_runs()           every row at 2,048 tokens, 88 runs of 125M to 70B paramete
 fsdp_training_runs()  every row at another length, 512 to 65,536 tokens (121 runs): the only constant they fit is
                       how fast this engine's attention kernel runs (fitted.ATTENTION_TRITON, validate.fit_attention).
 Both also give validate.checkpointing_pairs() its runs with and without activation checkpointing: compared, not fitted.
-                      The benchmark script ran MPT's attn_impl "triton" (submit_benchmarks.py, --attn_impl, default
-                      'triton' until April 2024): FlashAttention's Triton kernel, planned as attention="flash-triton".
+
+What the rows ran, from the scripts committed with them (llm-foundry's git history):
+- Attention: MPT's attn_impl "triton", the default of submit_benchmarks.py (--attn_impl), FlashAttention's Triton
+  kernel (attention="flash-triton"); but the large-scale H100 table's sweep.py (5e85bd62d, 2024-01-06, the commit
+  that added the table) passes --attn_impl flash for the 1b, 3b, 7b and 70b rows and installs flash-attn 2.4.2
+  (".[gpu-flash2]"): FlashAttention-2, attention="flash" (FLASH_ROWS).
+- Recomputation: Composer's FSDP wraps each MPTBlock in PyTorch's non-reentrant checkpoint
+  (activation_checkpointing_reentrant: false). The rows in mixed precision DEFAULT were measured with PyTorch 2.1.0
+  (b2a43a147, 2023-10-19: sweep.sh's image mosaicml/pytorch:2.1.0_cu121 and llm-foundry v0.3.0; 5e85bd62d:
+  setup.py's torch>=2.1,<2.1.1), whose checkpoint stops recomputing at a block's last saved tensor, before the MLP's
+  down projection (pytorch/pytorch#96866; checkpoint_early_stop). The PURE rows are the earlier ones, measured with
+  PyTorch 1.13.1 (the sweep.sh image b2a43a147 replaced; the README's "TODO: Update tables with torch 2.0"),
+  whose checkpoint recomputes the whole block.
 """
 
 from __future__ import annotations
@@ -250,6 +261,8 @@ MOSAIC_RUNS = (
 MPT_SIZES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16),
              "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 64),
              "70b": (80, 8192, 64)}
+# the rows that ran FlashAttention-2 (table, MPT size): sweep.py of 5e85bd62d, --attn_impl flash
+FLASH_ROWS = {("h100-80gb-large", size) for size in ("1b", "3b", "7b", "70b")}
 # each table's title and GPUs: A100 80GB and 40GB (datasheet: 40GB SXM, 1,555 GB/s of HBM), H100 80GB
 MOSAIC_TABLES = {"h100-80gb-large": ("H100 80GB BF16 (Large Scale, >= 128 GPUs)", dict(gpu="h100")),
                  "h100-80gb": ("H100 80GB BF16", dict(gpu="h100")),
@@ -275,9 +288,10 @@ def mosaic_run(table, size, seq_len, n, micro, accumulation, batch, tokens_s, ch
         name, mpt_spec(size, seq_len), cluster, layout, batch,
         "mixed_adam" if pure else "mixed_adam_fp32_grads", f"{tokens_s:,} tokens/s per GPU",
         batch * seq_len / (n * tokens_s), f"mosaicml/llm-foundry scripts/train/benchmarking/README.md, table {title}",
-        attention="flash-triton", gpu=gpus["gpu"], search=SOFTWARE["composer-fsdp"],
+        attention="flash" if (table, size) in FLASH_ROWS else "flash-triton", gpu=gpus["gpu"],
+        search=SOFTWARE["composer-fsdp"], checkpoint_early_stop=not pure,  # DEFAULT rows: PyTorch 2.1 (docstring)
         assumed="FSDP gathers the bf16 weights and reduce-scatters the gradients every micro-batch (no no_sync); "
-                "attention by FlashAttention's Triton kernel, the benchmark script's default attn_impl")
+                "attention and PyTorch's version as the scripts committed with the table say (module docstring)")
 
 
 def fsdp_runs() -> list[PublishedRun]:

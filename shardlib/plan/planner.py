@@ -121,16 +121,17 @@ def predict(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int
             stage: int | None = None, reserve_gib: float = 0.0, headroom: float = HEADROOM,
             link_efficiency: tuple = (FITTED["nvlink"], FITTED["network"]),
             hbm_efficiency: float = FITTED["hbm"], scatter_gather: bool = True,
-            overlap_with_pipeline: bool = True, async_tp_backward: bool = True) -> Estimate:
+            overlap_with_pipeline: bool = True, async_tp_backward: bool = True,
+            checkpoint_early_stop: bool = False) -> Estimate:
     """The costs of one layout: on its busiest GPU, or (stage=k) on a GPU of pipeline stage k.
     Options as plan's; recipe: a name of memory.TRAINING_RECIPES or a memory.Recipe."""
     check_options(cluster, efficiency, overlap, reserve_gib, attention, scatter_gather, overlap_with_pipeline,
-                  headroom, async_tp_backward)
+                  headroom, async_tp_backward, checkpoint_early_stop)
     check_layout(spec, cluster, layout, global_batch)
     if stage is not None and not 0 <= stage < layout.pp:
         raise ValueError(f"stage must be in 0..{layout.pp - 1}, got {stage}")
     options = Options(recipe, efficiency, overlap, attention, link_efficiency, hbm_efficiency, scatter_gather,
-                      overlap_with_pipeline, async_tp_backward)
+                      overlap_with_pipeline, async_tp_backward, checkpoint_early_stop)
     out = costs(spec, cluster, Layouts.from_rows([_row(layout)]), global_batch, options, stage)
     return _Estimates(out, [_row(layout)], cluster, reserve_gib, headroom)[0]
 
@@ -295,7 +296,7 @@ def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_
          reserve_gib: float = 0.0, headroom: float = HEADROOM,
          link_efficiency: tuple = (FITTED["nvlink"], FITTED["network"]),
          hbm_efficiency: float = FITTED["hbm"], scatter_gather: bool = True, overlap_with_pipeline: bool = True,
-         async_tp_backward: bool = True, **choices) -> Plan:
+         async_tp_backward: bool = True, checkpoint_early_stop: bool = False, **choices) -> Plan:
     """Enumerate the layouts, predict each, rank those that fit by step time (then memory): first those whose
     estimate leaves `headroom` of the GPU free, then those that fit only in it (Estimate.tight).
 
@@ -315,11 +316,14 @@ def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_
     data-parallel traffic only without a pipeline (Megatron-LM in 2021); async_tp_backward: each column-parallel
     layer's input-gradient collective runs beside its weight-gradient product (Megatron-LM's default since
     September 2021; False: on the critical path, as in Megatron-LM before it and Megatron-DeepSpeed's forks of
-    it; shardlib/plan/cost_comm.py). `choices` narrow the enumeration
+    it; shardlib/plan/cost_comm.py); checkpoint_early_stop: full recomputation stops at each layer's last saved
+    tensor, so the MLP's down projection and the add after it are not run again (PyTorch's non-reentrant
+    checkpoint, by default since 2.1: FSDP's checkpoint_wrapper, torchtitan; False: the whole layer again, as
+    Megatron-LM's and DeepSpeed's checkpoints and PyTorch's before 2.1 do). `choices` narrow the enumeration
     (candidate_layouts). Raises NoLayoutFits, naming the smallest memory any layout needs, when none fits.
     """
     check_options(cluster, efficiency, overlap, reserve_gib, attention, scatter_gather, overlap_with_pipeline,
-                  headroom, async_tp_backward)
+                  headroom, async_tp_backward, checkpoint_early_stop)
     rows = _candidate_rows(spec, cluster, global_batch, attention=attention, **choices)
     if not rows:
         raise ValueError(f"no layout of {cluster.n_gpus} GPUs can run {spec.name} with a global batch of "
@@ -327,7 +331,7 @@ def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_
                          f"{spec.n_layer} layers, dp divide the batch. Change the number of GPUs, the global batch "
                          "or the filters.")
     options = Options(recipe, efficiency, overlap, attention, link_efficiency, hbm_efficiency, scatter_gather,
-                      overlap_with_pipeline, async_tp_backward)
+                      overlap_with_pipeline, async_tp_backward, checkpoint_early_stop)
     out = costs(spec, cluster, Layouts.from_rows(rows), global_batch, options)
     usable, roomy_bytes = _limits(cluster, reserve_gib, headroom)
     total, step = out.memory.total, out.time.total

@@ -99,6 +99,7 @@ class PublishedRun:
     overlap_with_pipeline: bool = True  # data-parallel overlap also when pp > 1 (False: Megatron-LM, 2021)
     async_tp_backward: bool = True  # column layers' input-gradient collectives beside their weight gradients
     # (Megatron-LM since 2021-09; False: Megatron-LM before, Megatron-DeepSpeed's forks, and where nothing is said)
+    checkpoint_early_stop: bool = False  # full recomputation stops at the last saved tensor (PyTorch >= 2.1)
     attention: str = "flash"
     free: dict = field(default_factory=dict)  # unpublished knobs: the values the planner may choose among
     assumed: str = ""  # what the source does not say and we chose

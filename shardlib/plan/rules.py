@@ -17,7 +17,7 @@ def check_batch(global_batch) -> None:
 
 def check_options(cluster: Cluster, efficiency, overlap, reserve_gib: float, attention: str = "flash",
                   scatter_gather: bool = True, overlap_with_pipeline: bool = True, headroom: float = 0.0,
-                  async_tp_backward: bool = True) -> None:
+                  async_tp_backward: bool = True, checkpoint_early_stop: bool = False) -> None:
     if efficiency is not None and not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], the fraction of the GPU's measured matmul ceiling "
                          f"(Cluster.matmul_tflops) the products reach; got {efficiency!r}")
@@ -28,7 +28,7 @@ def check_options(cluster: Cluster, efficiency, overlap, reserve_gib: float, att
         raise ValueError(f"overlap must be True (data-parallel communication overlapped with compute) or False; "
                          f"got {overlap!r}")
     for name, value in (("scatter_gather", scatter_gather), ("overlap_with_pipeline", overlap_with_pipeline),
-                        ("async_tp_backward", async_tp_backward)):
+                        ("async_tp_backward", async_tp_backward), ("checkpoint_early_stop", checkpoint_early_stop)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False (shardlib.plan.plan's docstring says what it means); "
                              f"got {value!r}")

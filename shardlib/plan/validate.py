@@ -39,7 +39,7 @@ def _options(run: PublishedRun, constants: dict) -> dict:
     return dict(recipe=run.recipe, overlap=run.overlap, attention=run.attention, efficiency=fitted[run.gpu],
                 link_efficiency=(fitted["nvlink"], fitted["network"]), hbm_efficiency=fitted["hbm"],
                 scatter_gather=run.scatter_gather, overlap_with_pipeline=run.overlap_with_pipeline,
-                async_tp_backward=run.async_tp_backward)
+                async_tp_backward=run.async_tp_backward, checkpoint_early_stop=run.checkpoint_early_stop)
 
 
 def published_estimate(run: PublishedRun, **constants):
