@@ -412,6 +412,13 @@ def test_checkpoint_early_stop_skips_the_down_projection_and_the_add_after_it():
         assert a == b, mode
     with pytest.raises(ValueError, match="checkpoint_early_stop"):
         predict(spec, cluster, lay, batch, checkpoint_early_stop="yes")
+    # an MoE layer's combine, sum_k p_k E_k(x), saves the experts' outputs: its down projections run again, the add not
+    moe = ModelSpec.preset("mixtral-8x7b")
+    moe_lay = Layout(dp=8, zero=3, ep=8, recompute="full")
+    whole, stops = (predict(moe, cluster, moe_lay, 8, checkpoint_early_stop=flag) for flag in (False, True))
+    add = 7 * moe.seq_len * moe.hidden / (cluster.hbm_bw_gbps * 1e9 * FITTED["hbm"])
+    assert whole.costs.time.compute == stops.costs.time.compute
+    assert whole.costs.time.elementwise - stops.costs.time.elementwise == pytest.approx(moe.n_layer * add)
     # MosaicML's rows: PyTorch 2.1's early stop where they ran it (mixed precision DEFAULT), FlashAttention-2 where the
     # large-scale table's sweep.py asked for it (mosaic.py's docstring says from where)
     for row, run in zip((r for r in MOSAIC_RUNS if r[2] == 2048), fsdp_runs()):

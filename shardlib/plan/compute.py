@@ -44,10 +44,10 @@ def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attent
     """Seconds of one layer, one micro-batch: dict(gemm_fwd, gemm_bwd, attn_fwd, attn_bwd, elem_fwd, elem_bwd,
     scores_fwd, wgrad_columns, tail_gemm, tail_elem). gemm_*: the weight products; wgrad_columns: a list, the
     weight-gradient product of each column-parallel layer (QKV, and the up projection of a dense MLP), part of
-    gemm_bwd; tail_*: the forward after the layer's last saved tensor, the MLP's down projection (the experts' in
-    an MoE layer; part of gemm_fwd) and the residual add after it (part of elem_fwd), which PyTorch's
-    non-reentrant checkpoint does not run again (its early stop: cost.Options.checkpoint_early_stop); attn_*: the
-    attention
+    gemm_bwd; tail_*: the forward after the layer's last saved tensor, which PyTorch's non-reentrant checkpoint
+    does not run again (its early stop: cost.Options.checkpoint_early_stop): a dense MLP's down projection (part of
+    gemm_fwd; an MoE layer's combine saves the experts' outputs, so its down projections run again) and the
+    residual add after it (part of elem_fwd); attn_*: the attention
     core (its backward holds FlashAttention's
     recompute); elem_*: the memory-bound kernels, of which scores_fwd the written-out scores' (what selective
     recomputation runs again beside attn_fwd);
@@ -84,7 +84,7 @@ def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attent
     sbh = tokens * h / torch.where(c.sp > 0, t, 1.0)
     return dict(gemm_fwd=gemm_fwd, gemm_bwd=gemm_bwd, attn_fwd=attn_fwd, attn_bwd=attn_bwd, elem_fwd=elem,
                 elem_bwd=2 * elem, scores_fwd=scores, wgrad_columns=wgrad,
-                tail_gemm=times[3][0], tail_elem=RESIDUAL_ADD_BYTES * sbh * per_byte)  # shapes[3]: down projection
+                tail_gemm=0.0 if spec.moe else times[3][0], tail_elem=RESIDUAL_ADD_BYTES * sbh * per_byte)
 
 
 def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attention: str):
