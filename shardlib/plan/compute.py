@@ -30,7 +30,8 @@ from shardlib.plan.gemm import forward_backward_seconds, matmul_seconds
 FLASH_FRACTION = 0.615 / 0.859  # FlashAttention-2 on A100: 50-73% of peak (midpoint), a large product 85.9%
 LOSS_BYTES = 2 + 4 + 4 + 4 + 8 + 6  # per logit, the cross-entropy's passes (output_layer_seconds)
 FLASH_BACKWARD = 2.5  # FLOPs of FlashAttention's backward over its forward: 5 products of the forward's 2
-RESIDUAL_ADD_BYTES = 7  # s b h bytes of the layer's last bias-dropout-add (layer_traffic's 22 holds two)
+NORM_BYTES = 4  # s b h bytes of a norm: read 2, write 2
+RESIDUAL_ADD_BYTES = 7  # s b h bytes of a bias-dropout-add: read 2 + 2, write 2, the mask 1
 OUTPUT_LAYER_INPUTS = 4  # s b h bytes the last stage keeps: the final norm's input and the output layer's (Sec. 4.3)
 
 
@@ -121,7 +122,7 @@ def layer_traffic(spec, c):
     written-out scores apart (scores_traffic)."""
     t = c.tp
     sbh = c.micro_batch * (spec.seq_len / c.cp) * spec.hidden
-    outside = 22 * sbh  # 2 norms, 2 bias-dropout-adds: outside the TP regions
+    outside = (2 * NORM_BYTES + 2 * RESIDUAL_ADD_BYTES) * sbh  # 2 norms, 2 bias-dropout-adds: outside the TP regions
     mlp = 16 * sbh * (spec.top_k * spec.capacity_factor if spec.moe else 1.0)  # bias + activation, per routed copy
     return torch.where(c.sp > 0, outside / t, outside) + mlp / t
 

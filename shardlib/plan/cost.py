@@ -357,8 +357,8 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, opt
     # what recomputation runs again: under full, the layer's forward, less what follows its last saved tensor where
     # the checkpoint stops there (PyTorch's non-reentrant checkpoint since 2.1, pytorch/pytorch#96866)
     stop = float(options.checkpoint_early_stop)
-    redo = layers * (full * (one["gemm_fwd"] + one["attn_fwd"] + one["elem_fwd"]
-                             - stop * (one["tail_gemm"] + one["tail_elem"]))
+    again = one["gemm_fwd"] + one["attn_fwd"] - stop * one["tail_gemm"]  # the products full recomputation runs
+    redo = layers * (full * (again + one["elem_fwd"] - stop * one["tail_elem"])
                      + selective * (one["attn_fwd"] + one["scores_fwd"]))
     gemm_bwd = layers * (one["gemm_bwd"] + one["attn_bwd"]) + last * out_bwd
     elem_fwd, elem_bwd = layers * one["elem_fwd"], layers * one["elem_bwd"]
@@ -379,7 +379,6 @@ def _stage(spec: ModelSpec, cluster: Cluster, c: Layouts, global_batch: int, opt
     grads_down = offloaded * recipe.grads / (cluster.pcie_bw_gbps * 1e9)
     offload_s = cpu_adam + offloaded * e / (cluster.pcie_bw_gbps * 1e9) + exposed(grads_down, backward_s,
                                                                                     options.overlap)
-    again = one["gemm_fwd"] + one["attn_fwd"] - stop * one["tail_gemm"]  # the products full recomputation runs
     compute = m * (gemm_fwd + gemm_bwd + layers * full * again + layers * selective * one["attn_fwd"])
     time = StepTime(compute, m * (forward_s + backward_s) - compute, m * comm.tp, m * comm.cp, m * comm.ep, bubble,
                     comm.pp, comm.dp, torch.where(c.offload > 0, 0.0, optimizer_s), offload_s)
