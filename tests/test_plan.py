@@ -47,7 +47,10 @@ from shardlib.parallel.zero_stages import apply_zero
 from shardlib.plan import Cluster, Layout, ModelSpec, NoLayoutFits, candidate_layouts, per_gpu, plan, predict
 from shardlib.plan import main as plan_main
 from shardlib.plan.fitted import ATTENTION_TRITON, FITTED
-from shardlib.plan.compute import FLASH_FRACTION
+from shardlib.plan.attention import CUDNN_H100, FLASH2, LENGTHS, kernel_tflops
+from shardlib.plan.compute import attention_seconds
+from shardlib.plan.cost import Layouts
+from shardlib.plan.planner import _row
 from shardlib.plan.gemm import matmul_seconds
 from shardlib.plan.links import COMPUTE_SLOWDOWN, exposed
 from shardlib.plan.mosaic import MOSAIC_RUNS, MOSAIC_TABLES, fsdp_runs, fsdp_training_runs, mpt_spec
@@ -447,19 +450,50 @@ def test_selective_recomputation_writes_the_scores_again():
 
 def test_triton_attention_keeps_what_flash_keeps_at_its_own_speed():
     # attention="flash-triton" (FlashAttention's Triton kernel, as MosaicML ran it): the same activations as
-    # FlashAttention-2, and its attention core at Cluster.triton_attention of the peak instead of FLASH_FRACTION of
-    # the products' rate: the compute differs by the attention FLOPs over each rate, counted here from the formula
-    # (causal: half of 4 b a s^2 d per layer forward, backward 2.5 times the forward; nothing else changes)
+    # FlashAttention-2, and its attention core at Cluster.triton_attention of the peak instead of FlashAttention-2's
+    # benchmark at 4,096 tokens on the H100 (arXiv 2307.08691, Figure 7(d): 294 TFLOP/s) times the products'
+    # fraction: the compute differs by the attention FLOPs over each rate, counted here from the formula (causal:
+    # half of 4 b a s^2 d per layer forward, backward 2.5 times the forward; nothing else changes)
     spec, cluster, b = ModelSpec(4, 1024, 8, 32000, 4096), Cluster.of(8, gpu="h100"), 2
     layout = Layout(dp=8, micro_batch=b)
     flash, triton = (predict(spec, cluster, layout, 8 * b, attention=kind) for kind in ("flash", "flash-triton"))
     assert triton.memory_bytes == flash.memory_bytes
     flops = 4 * (1 + 2.5) * 4 * b * 8 * 4096 ** 2 * 128 * 0.5  # layers, fwd + bwd, 4 b a s^2 d / 2
-    rate_flash = cluster.matmul_tflops * 1e12 * cluster.matmul_fraction * FLASH_FRACTION
+    rate_flash = 294e12 * cluster.matmul_fraction
     rate_triton = cluster.peak_tflops * 1e12 * cluster.triton_attention
     assert triton.costs.time.compute - flash.costs.time.compute == pytest.approx(flops / rate_triton - flops / rate_flash)
     with pytest.raises(ValueError, match="attention must be one of"):
         predict(spec, cluster, layout, 8 * b, attention="triton")
+
+
+def test_fused_attention_runs_at_its_published_benchmark_for_the_local_length():
+    # FlashAttention-2, forward + backward, causal, head dimension 128 (arXiv 2307.08691, Figures 4(d), 7(d)): the
+    # curve read off at each benchmark length, interpolated in log s between them, held beyond
+    assert [kernel_tflops(FLASH2["h100"], n).item() for n in LENGTHS] == [163, 221, 265, 294, 308, 328]
+    assert kernel_tflops(FLASH2["a100"], 2048).item() == 155
+    assert kernel_tflops(FLASH2["a100"], 2048 * 2 ** 0.5).item() == pytest.approx((155 + 173) / 2)
+    assert kernel_tflops(FLASH2["h100"], [128, 131072]).tolist() == [163, 328]
+    # cuDNN on the H100 (arXiv 2407.08608, Figs. 5(c), 5(d), 6(b)) at 2k: forward 484 causal, 617 without the mask;
+    # backward 465 without it, so 465 * 484 / 617 causal; fwd + bwd does 3.5 forward FLOPs
+    backward = 465 * 484 / 617
+    assert CUDNN_H100[2] == pytest.approx(3.5 / (1 / 484 + 2.5 / backward))
+    # the planner's attention core: 4 b a s^2 d / 2 forward FLOPs on b a / t heads of s / c queries, 2.5 x backward,
+    # at the curve's speed for s / c tokens times the products' fraction; cuDNN differs from FlashAttention-2 on the
+    # H100 only (Transformer Engine runs FlashAttention-2 elsewhere)
+    spec = ModelSpec(2, 2048, 16, 32000, 8192)
+    for gpu in ("a100", "h100"):
+        cluster = Cluster.of(8, gpu=gpu)
+        for kind, curve in (("flash", FLASH2[gpu]), ("cudnn", CUDNN_H100 if gpu == "h100" else FLASH2["a100"])):
+            for tp, cp in ((1, 1), (2, 4)):
+                layout = Layout(dp=8 // (tp * cp), tp=tp, cp=cp, micro_batch=2)
+                forward = 4 * 2 * 16 / tp * (8192 / cp) * 8192 * 128 / 2
+                rate = kernel_tflops(curve, 8192 / cp).item() * 1e12 * cluster.matmul_fraction
+                seconds = attention_seconds(spec, cluster, Layouts.from_rows([_row(layout)]), cluster.matmul_fraction, 0.9,
+                                             kind)
+                assert seconds[0].item() == pytest.approx(forward / rate)
+                assert seconds[1].item() == pytest.approx(2.5 * forward / rate)
+    with pytest.raises(ValueError, match="6 positive TFLOP/s"):
+        Cluster(flash_tflops=(100.0, 200.0))
 
 
 @pytest.mark.slow
@@ -771,6 +805,18 @@ def test_zero3_inside_a_pipeline_pays_every_micro_batch_and_is_marked():
     assert {lay.zero for lay in default if lay.pp > 1} == {0, 1} and {lay.zero for lay in default if lay.pp == 1} == \
         {0, 1, 2, 3}, "the default search leaves ZeRO-2 and -3 out of pipelines (planner.PIPELINE_ZERO_STAGES)"
     assert "ZeRO-3 over the 4 GPUs of its data- and context-parallel group (dp 1 x cp 4)" in result.explain()
+
+
+def test_zero2_reduces_layer_by_layer_and_pays_each_layers_ring_latency():
+    # FSDP's SHARD_GRAD_OP reduce-scatters each wrapped block after its backward and gathers each before the
+    # forward: L + 1 collectives of each kind where ZeRO-1 (one bucket) has one. Without overlap, on 512 GPUs, the
+    # same bytes, and each of the 2 (L + 1) ring collectives pays n - 1 latencies alpha (links.py): the difference is
+    # 2 L (n - 1) alpha, counted here from the formula
+    spec, cluster = mpt_spec("1b"), Cluster.of(512, gpu="h100")
+    one, two = (predict(spec, cluster, Layout(dp=512, zero=z, micro_batch=12), 512 * 12, overlap=False)
+                for z in (1, 2))
+    assert two.dp_sent_bytes == pytest.approx(one.dp_sent_bytes)
+    assert two.dp_s - one.dp_s == pytest.approx(2 * spec.n_layer * 511 * cluster.alpha_us * 1e-6)
 
 
 def test_runtime_memory_is_the_context_and_one_buffer_per_communicator():

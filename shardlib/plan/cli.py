@@ -73,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
                      "checkpoint does since 2.1 (FSDP, torchtitan; default: the whole layer again, as Megatron-LM)")
     job.add_argument("--attention", default="flash", choices=ATTENTION, help="FlashAttention-2 (default), "
                      "FlashAttention's Triton kernel (at its fitted speed, shardlib/plan/fitted.py, which "
-                     "--efficiency leaves alone), or the scores written out")
+                     "--efficiency leaves alone), cuDNN's fused attention (Transformer Engine's on Hopper), or the "
+                     "scores written out; fused kernels at their published speed, shardlib/plan/attention.py")
     job.add_argument("--reserve-gib", type=float, default=0.0, help="GiB per GPU kept free beyond the estimate "
                      "(which counts the CUDA context and NCCL's buffers)")
     job.add_argument("--headroom", type=float, default=HEADROOM, help="share of the rest a recommended layout leaves "

@@ -7,10 +7,10 @@ arXiv 1909.08053), each timed by the GPU's matmul curve (shardlib/plan/gemm.py),
     MLP down (T, h, f / t); an MoE layer's E / e experts take T k C_f e / E tokens each.
 Attention core: Q K^T and A V on b a / t heads of (s / c) x s scores. Written out ("unfused", as
 Megatron-LM did in 2021-22) they are two batched products of that shape, backward twice the forward,
-selective recomputation one more forward. FlashAttention (arXiv 2205.14135, 2307.08691) never writes
-the scores: its causal kernel skips the masked half of the blocks, and its backward recomputes them,
-2.5 x the forward's FLOPs (five products against two). It reaches 50-73% of an A100's peak (FlashAttention-2,
-arXiv 2307.08691, abstract), against 85.9% for a large product: FLASH_FRACTION of the matmul ceiling.
+selective recomputation one more forward. A fused kernel (FlashAttention, arXiv 2205.14135, 2307.08691;
+cuDNN's) never writes the scores: its causal kernel skips the masked half of the blocks, and its backward
+recomputes them, 2.5 x the forward's FLOPs (five products against two), at the kernel's benchmark speed for the
+local sequence length s / c (shardlib/plan/attention.py) times the fraction the products reach of theirs.
 FlashAttention's Triton kernel (attention="flash-triton", as MosaicML's benchmarks ran it) does the same work at
 its own fitted share of the peak (Cluster.triton_attention, shardlib/plan/fitted.py).
 Memory-bound kernels between the products, 16-bit, per layer forward: 2 norms (read + write 2 s b h each:
@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import torch
 
+from shardlib.plan.attention import kernel_tflops
 from shardlib.plan.gemm import forward_backward_seconds, matmul_seconds
 
-FLASH_FRACTION = 0.615 / 0.859  # FlashAttention-2 on A100: 50-73% of peak (midpoint), a large product 85.9%
 LOSS_BYTES = 2 + 4 + 4 + 4 + 8 + 6  # per logit, the cross-entropy's passes (output_layer_seconds)
-FLASH_BACKWARD = 2.5  # FLOPs of FlashAttention's backward over its forward: 5 products of the forward's 2
+FLASH_BACKWARD = 2.5  # FLOPs of a fused kernel's backward over its forward: 5 products of the forward's 2
 NORM_BYTES = 4  # s b h bytes of a norm: read 2, write 2
 RESIDUAL_ADD_BYTES = 7  # s b h bytes of a bias-dropout-add: read 2 + 2, write 2, the mask 1
 OUTPUT_LAYER_INPUTS = 4  # s b h bytes the last stage keeps: the final norm's input and the output layer's (Sec. 4.3)
@@ -90,15 +90,19 @@ def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attent
 
 def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attention: str):
     """(forward, backward) seconds of Q K^T and A V on this rank's b a / t heads of (s / c) x s scores, by the
-    kernel `attention` (cost.ATTENTION). FlashAttention-2 runs at FLASH_FRACTION of the products' rate, so
-    `fraction` scales it; FlashAttention's Triton kernel at its own fitted share of the GPU's peak
-    (Cluster.triton_attention), which `fraction` does not change: it is one kernel's fitted speed, not a product's."""
+    kernel `attention` (cost.ATTENTION). FlashAttention-2 and cuDNN's fused attention run at their benchmark speed
+    for s / c tokens (Cluster.flash_tflops, cudnn_tflops; attention.py) times `fraction`, as the products do;
+    FlashAttention's Triton kernel at its own fitted share of the GPU's peak (Cluster.triton_attention), which
+    `fraction` does not change: it is one kernel's fitted speed."""
     t, cp, b, s, d = c.tp, c.cp, c.micro_batch, spec.seq_len, spec.head_dim
     heads = b * spec.n_head / t
     if attention != "unfused":
         flops = 4.0 * heads * (s / cp) * s * d * 0.5  # causal: the kernel skips the masked half
-        rate = (cluster.peak_tflops * 1e12 * cluster.triton_attention if attention == "flash-triton"
-                else cluster.matmul_tflops * 1e12 * fraction * FLASH_FRACTION)
+        if attention == "flash-triton":
+            rate = cluster.peak_tflops * 1e12 * cluster.triton_attention
+        else:
+            curve = cluster.cudnn_tflops if attention == "cudnn" else cluster.flash_tflops
+            rate = kernel_tflops(curve, s / cp) * 1e12 * fraction
         return flops / rate, FLASH_BACKWARD * flops / rate
     scores = forward_backward_seconds(s / cp, s, d, cluster, fraction, hbm_fraction, heads)
     values = forward_backward_seconds(s / cp, d, s, cluster, fraction, hbm_fraction, heads)

@@ -74,8 +74,12 @@ micro-batch (forward + backward + exposed TP, CP, EP) on the slowest stage:
                 Tied embeddings: their gradients all-reduced between the first and the last stage once a step.
   DP            over the d c GPUs with the same parameters, Psi_k: ZeRO 0 an all-reduce of the gradients
                 behind the last micro-batch's backward; 1 a reduce-scatter there and an all-gather behind the
-                first forward; 2 a reduce-scatter behind every backward; 3 per micro-batch 2 all-gathers and 1
-                reduce-scatter, layer by layer, behind each pass. With overlap (default) by the overlap rule,
+                first forward; 2 a reduce-scatter behind every backward and an all-gather behind the first
+                forward, layer by layer; 3 per micro-batch 2 all-gathers and 1 reduce-scatter, layer by layer,
+                behind each pass. Layer by layer, as FSDP runs ZeRO-2 and -3 (SHARD_GRAD_OP, FULL_SHARD: one
+                collective per wrapped block, so each pays its own n - 1 ring latencies; DeepSpeed's ZeRO-2
+                reduces in buckets of 5e8 elements, fewer and larger: reduce_bucket_size,
+                deepspeed/runtime/zero/config.py). With overlap (default) by the overlap rule,
                 the links shared with overlapped TP and CP traffic; without, all of it on the critical path.
                 ZeRO-2 and -3 inside a pipeline are refused (planner.check_layout): DeepSpeed's reason.
                 overlap_with_pipeline=False: with pp > 1 none of it overlaps (Megatron-LM in 2021 ran pipelines
@@ -108,7 +112,8 @@ from shardlib.plan.inputs import Cluster
 from shardlib.plan.links import exposed
 from shardlib.plan.model import ModelSpec
 
-ATTENTION = ("flash", "flash-triton", "unfused")  # FlashAttention-2, its Triton kernel, scores written
+ATTENTION = ("flash", "flash-triton", "cudnn", "unfused")  # FlashAttention-2, its Triton kernel, cuDNN's fused
+# attention (Transformer Engine's on Hopper), the scores written out (shardlib/plan/attention.py)
 
 
 class _Columns:

@@ -183,7 +183,7 @@ def _data_parallel(c, m, layers, param_bytes, grad_bytes, ring: Ring, windows, o
     """Exposed seconds and collectives of one step's data-parallel traffic (ZeRO stage c.zero)."""
     z = c.zero
     forward, backward = windows
-    units = torch.where(z == 3, layers + 1, 1.0)  # ZeRO-3 gathers and reduces layer by layer
+    units = torch.where(z >= 2, layers + 1, 1.0)  # ZeRO-2 and -3 (FSDP) gather and reduce layer by layer
     all_reduce = ring.time("all_reduce", grad_bytes)
     reduce_scatter, all_gather = ring.time("reduce_scatter", grad_bytes), ring.time("all_gather", param_bytes)
     rs_units = units * ring.time("reduce_scatter", grad_bytes / units)  # with the alphas of layer by layer
@@ -191,16 +191,16 @@ def _data_parallel(c, m, layers, param_bytes, grad_bytes, ring: Ring, windows, o
     hide = lambda x, under: torch.where(overlap, exposed(x, under), x)  # noqa: E731 - overlap: a column
     seconds = torch.where(z == 0, hide(all_reduce, backward),
               torch.where(z == 1, hide(reduce_scatter, backward) + hide(all_gather, forward),
-              torch.where(z == 2, m * hide(reduce_scatter, backward) + hide(all_gather, forward),
+              torch.where(z == 2, m * hide(rs_units, backward) + hide(ag_units, forward),
                           m * (hide(ag_units, forward) + hide(ag_units + rs_units, backward)))))
     zero = torch.zeros_like(m * z)
     one, per_micro = torch.ones_like(zero), m * torch.ones_like(zero)
     collectives = [
         Collective("dp", "all_reduce", grad_bytes, torch.where(z == 0, one, zero), ring),
-        Collective("dp", "reduce_scatter", grad_bytes, torch.where(z == 1, one, torch.where(z == 2, per_micro, zero)),
-                   ring),
-        Collective("dp", "all_gather", param_bytes, torch.where((z == 1) | (z == 2), one, zero), ring),
-        Collective("dp", "all_gather", param_bytes / units, torch.where(z == 3, 2 * per_micro * units, zero), ring),
-        Collective("dp", "reduce_scatter", grad_bytes / units, torch.where(z == 3, per_micro * units, zero), ring),
+        Collective("dp", "reduce_scatter", grad_bytes, torch.where(z == 1, one, zero), ring),
+        Collective("dp", "all_gather", param_bytes, torch.where(z == 1, one, zero), ring),
+        Collective("dp", "all_gather", param_bytes / units, torch.where(z == 3, 2 * per_micro * units,
+                                                                        torch.where(z == 2, units, zero)), ring),
+        Collective("dp", "reduce_scatter", grad_bytes / units, torch.where(z >= 2, per_micro * units, zero), ring),
     ]
     return seconds, collectives

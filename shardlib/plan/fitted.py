@@ -17,5 +17,5 @@ first version reaches 25-40% of an A100's peak (arXiv 2307.08691, Sec. 1), Flash
 (arXiv 2407.08608, abstract): a kernel written for the A100 does worse on the H100.
 """
 
-FITTED = dict(a100=0.8587, h100=0.6802, nvlink=0.7674, network=0.9999, hbm=0.87)
+FITTED = dict(a100=0.8599, h100=0.6952, nvlink=0.745, network=0.9999, hbm=0.8787)
 ATTENTION_TRITON = dict(a100=0.31, h100=0.18)

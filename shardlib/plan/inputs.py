@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from shardlib.plan.attention import CUDNN_H100, FLASH2, LENGTHS
 from shardlib.plan.fitted import ATTENTION_TRITON, FITTED
 from shardlib.plan.model import PRESETS, ModelSpec, count_text, load_model  # noqa: F401  (re-exported)
 
@@ -36,7 +37,9 @@ class Cluster:
     streaming multiprocessors (shardlib/plan/gemm.py; GPUS below; without a measurement, the A100's
     267.9 / 312 of peak_tflops), matmul_fraction the part of that rate a training job's products reach
     (fitted, shardlib/plan/fitted.py; the A100's by default), triton_attention the part of peak_tflops
-    FlashAttention's Triton kernel reaches (fitted, the same file). alpha_us: latency per step of a
+    FlashAttention's Triton kernel reaches (fitted, the same file), flash_tflops and cudnn_tflops the benchmark
+    speeds of FlashAttention-2 and of cuDNN's fused attention at attention.LENGTHS (shardlib/plan/attention.py;
+    the A100's by default, where cuDNN's is FlashAttention-2's, as Transformer Engine picks it there). alpha_us: latency per step of a
     ring collective: an 8-byte all-reduce over 2 NVLink A100s takes 9.85 us for its 2 steps
     (https://github.com/NVIDIA/nccl-tests/issues/331)."""
 
@@ -54,11 +57,18 @@ class Cluster:
     n_sm: int = 108
     matmul_fraction: float = FITTED["a100"]
     triton_attention: float = ATTENTION_TRITON["a100"]  # of peak_tflops: FlashAttention's Triton kernel (fitted.py)
+    flash_tflops: tuple = FLASH2["a100"]  # FlashAttention-2's benchmark, TFLOP/s at attention.LENGTHS
+    cudnn_tflops: tuple = FLASH2["a100"]  # cuDNN's fused attention (off Hopper, Transformer Engine runs FA2)
 
     def __post_init__(self):
         if self.matmul_tflops is None:  # a GPU without a measurement: the A100's measured fraction of its peak
             object.__setattr__(self, "matmul_tflops", self.peak_tflops * A100_MATMUL / 312.0)
         for key, value in asdict(self).items():
+            if key.endswith("_tflops") and isinstance(value, tuple):
+                if len(value) != len(LENGTHS) or not all(isinstance(x, (int, float)) and x > 0 for x in value):
+                    raise ValueError(f"Cluster.{key} must be {len(LENGTHS)} positive TFLOP/s, one per sequence "
+                                     f"length of {LENGTHS}, got {value!r}")
+                continue
             whole = key in ("n_nodes", "gpus_per_node", "n_sm")
             if not (isinstance(value, (int, float)) and value > 0) or (whole and not isinstance(value, int)):
                 raise ValueError(f"Cluster.{key} must be a positive {'integer' if whole else 'number'}, got {value!r}")
@@ -95,7 +105,7 @@ GPUS = {
                  intra_bw_gbps=300.0, inter_bw_gbps=25.0, pcie_bw_gbps=32.0, matmul_fraction=FITTED["a100"]),
     "h100": dict(gpu_mem_gib=80.0, peak_tflops=989.0, matmul_tflops=792.1, n_sm=132, hbm_bw_gbps=3350.0,
                  intra_bw_gbps=450.0, inter_bw_gbps=50.0, pcie_bw_gbps=64.0, matmul_fraction=FITTED["h100"],
-                 triton_attention=ATTENTION_TRITON["h100"]),
+                 triton_attention=ATTENTION_TRITON["h100"], flash_tflops=FLASH2["h100"], cudnn_tflops=CUDNN_H100),
 }
 
 

@@ -70,8 +70,10 @@ class Ring:
         return (2 if kind == "all_reduce" else 1) * (self.n - 1)
 
     def time(self, kind: str, nbytes):
-        """steps (alpha + S / (n B)) on a tensor of S = nbytes. all_to_all: n-1 messages of S/n."""
-        return self.steps(kind) * (self.alpha * (self.n > 1) + nbytes / (self.n * self.bandwidth))
+        """steps (alpha + S / (n B)) on a tensor of S = nbytes; nothing for an empty one (a dense model's expert
+        gradients), which is never sent. all_to_all: n-1 messages of S/n."""
+        latency = self.alpha * ((self.n > 1) & (torch.as_tensor(nbytes) > 0))
+        return self.steps(kind) * (latency + nbytes / (self.n * self.bandwidth))
 
     def sent(self, kind: str, nbytes):
         """Bytes one GPU sends: 2 (n-1)/n S (all-reduce) or (n-1)/n S (all-gather, reduce-scatter, all-to-all)."""

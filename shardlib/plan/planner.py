@@ -305,7 +305,9 @@ def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_
     matmul_fraction); overlap: overlap data-parallel communication with compute, as PyTorch's DDP and FSDP
     and Megatron's --overlap-grad-reduce do (default), paying the overlap rule of shardlib/plan/links.py;
     attention: "flash" (FlashAttention-2, default), "flash-triton" (FlashAttention's Triton kernel, as MosaicML's
-    benchmarks ran it: shardlib/plan/mosaic.py) or "unfused" (the scores written out, as Megatron-LM in 2021-22);
+    benchmarks ran it: shardlib/plan/mosaic.py), "cudnn" (cuDNN's fused attention, Transformer Engine's on Hopper;
+    fused kernels at their published benchmark speed, shardlib/plan/attention.py) or "unfused" (the scores written
+    out, as Megatron-LM in 2021-22);
     reserve_gib: memory per GPU kept free; headroom: the share of the rest a recommended layout leaves
     free (default 0.2: no out-of-memory error below 80% in arXiv 2411.06465's 454 runs; 0 ranks every layout
     that fits by time alone); link_efficiency (inside a node, across),

@@ -23,7 +23,7 @@ def check_options(cluster: Cluster, efficiency, overlap, reserve_gib: float, att
                          f"(Cluster.matmul_tflops) the products reach; got {efficiency!r}")
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION} (FlashAttention-2, FlashAttention's Triton kernel, "
-                         f"or the scores written out), got {attention!r}")
+                         f"cuDNN's fused attention, or the scores written out), got {attention!r}")
     if not isinstance(overlap, bool):
         raise ValueError(f"overlap must be True (data-parallel communication overlapped with compute) or False; "
                          f"got {overlap!r}")
