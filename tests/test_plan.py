@@ -488,8 +488,8 @@ def test_fused_attention_runs_at_its_published_benchmark_for_the_local_length():
                 layout = Layout(dp=8 // (tp * cp), tp=tp, cp=cp, micro_batch=2)
                 forward = 4 * 2 * 16 / tp * (8192 / cp) * 8192 * 128 / 2
                 rate = kernel_tflops(curve, 8192 / cp).item() * 1e12 * cluster.matmul_fraction
-                seconds = attention_seconds(spec, cluster, Layouts.from_rows([_row(layout)]), cluster.matmul_fraction, 0.9,
-                                             kind)
+                columns = Layouts.from_rows([_row(layout)])
+                seconds = attention_seconds(spec, cluster, columns, cluster.matmul_fraction, 0.9, kind)
                 assert seconds[0].item() == pytest.approx(forward / rate)
                 assert seconds[1].item() == pytest.approx(2.5 * forward / rate)
     with pytest.raises(ValueError, match="6 positive TFLOP/s"):

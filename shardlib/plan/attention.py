@@ -15,9 +15,10 @@ kernel at d = 64 is 10-15% slower, which the planner does not count):
   ("Select FusedAttention on sm90 and FlashAttention on others for performance", NVIDIA/TransformerEngine
   32db39288, 2023-12-07, TE 1.2), so Megatron-Core's and NeMo's H100 runs do. FlashAttention-3's paper benchmarks
   cuDNN 9.1 on the H100 in the same settings (arXiv 2407.08608, Sec. 4.1): forward with the causal mask,
-  Figure 5(d), and without it, 5(c); backward without it only, Figure 6(b). The causal backward is taken as the
-  backward without the mask slowed as much as the forward is by it (CUDNN_H100, below). Off Hopper Transformer
-  Engine picks FlashAttention-2, and so does the planner.
+  Figure 5(d), and without it, 5(c) (the same plots: flash-attention's assets/flash3_fp16_fwd.png); backward
+  without it only, Figure 6(b). The causal backward is taken as the backward without the mask slowed as much as
+  the forward is by it (CUDNN_H100, below). Off Hopper Transformer Engine picks FlashAttention-2, and so does the
+  planner.
 
 A training job runs these kernels as it runs its products: at `fraction` of their benchmark speed (the fitted
 share of the measured matmul ceiling, shardlib/plan/fitted.py), since clocks, power and the rest of the step

@@ -39,8 +39,8 @@ class Cluster:
     (fitted, shardlib/plan/fitted.py; the A100's by default), triton_attention the part of peak_tflops
     FlashAttention's Triton kernel reaches (fitted, the same file), flash_tflops and cudnn_tflops the benchmark
     speeds of FlashAttention-2 and of cuDNN's fused attention at attention.LENGTHS (shardlib/plan/attention.py;
-    the A100's by default, where cuDNN's is FlashAttention-2's, as Transformer Engine picks it there). alpha_us: latency per step of a
-    ring collective: an 8-byte all-reduce over 2 NVLink A100s takes 9.85 us for its 2 steps
+    the A100's by default, where cuDNN's is FlashAttention-2's, as Transformer Engine picks it there).
+    alpha_us: latency per step of a ring collective: an 8-byte all-reduce over 2 NVLink A100s takes 9.85 us for its 2 steps
     (https://github.com/NVIDIA/nccl-tests/issues/331)."""
 
     n_nodes: int = 1
