@@ -478,12 +478,12 @@ def test_fused_attention_runs_at_its_published_benchmark_for_the_local_length():
     backward = 465 * 484 / 617
     assert CUDNN_H100[2] == pytest.approx(3.5 / (1 / 484 + 2.5 / backward))
     # the planner's attention core: 4 b a s^2 d / 2 forward FLOPs on b a / t heads of s / c queries, 2.5 x backward,
-    # at the curve's speed for s / c tokens times the products' fraction; cuDNN differs from FlashAttention-2 on the
-    # H100 only (Transformer Engine runs FlashAttention-2 elsewhere)
+    # at the curve's speed for s / c tokens times the products' fraction; Transformer Engine's fused attention is
+    # cuDNN's on the H100 and FlashAttention-2 elsewhere
     spec = ModelSpec(2, 2048, 16, 32000, 8192)
     for gpu in ("a100", "h100"):
         cluster = Cluster.of(8, gpu=gpu)
-        for kind, curve in (("flash", FLASH2[gpu]), ("cudnn", CUDNN_H100 if gpu == "h100" else FLASH2["a100"])):
+        for kind, curve in (("flash", FLASH2[gpu]), ("fused", CUDNN_H100 if gpu == "h100" else FLASH2["a100"])):
             for tp, cp in ((1, 1), (2, 4)):
                 layout = Layout(dp=8 // (tp * cp), tp=tp, cp=cp, micro_batch=2)
                 forward = 4 * 2 * 16 / tp * (8192 / cp) * 8192 * 128 / 2
@@ -494,6 +494,9 @@ def test_fused_attention_runs_at_its_published_benchmark_for_the_local_length():
                 assert seconds[1].item() == pytest.approx(2.5 * forward / rate)
     with pytest.raises(ValueError, match="6 positive TFLOP/s"):
         Cluster(flash_tflops=(100.0, 200.0))
+    # a GPU without a benchmark: the A100's curve scaled by its peak (an RTX 4090's 165 TFLOP/s), for both kernels
+    rtx = Cluster(peak_tflops=165.0)
+    assert rtx.flash_tflops == rtx.fused_tflops == pytest.approx([x * 165 / 312 for x in FLASH2["a100"]])
 
 
 @pytest.mark.slow

@@ -11,14 +11,16 @@ kernel at d = 64 is 10-15% slower, which the planner does not count):
 - FlashAttention-2 (attention="flash"), arXiv 2307.08691, Figure 4(d) on the A100 80GB SXM4 and Figure 7(d) on the
   H100 80GB SXM5 (the same plots: Dao-AILab/flash-attention, assets/flash2_{a100,h100}_fwd_bwd_benchmark.png).
   Written for the A100, it reaches about a third of the H100's peak (arXiv 2407.08608, abstract).
-- cuDNN's fused attention (attention="cudnn"): Transformer Engine runs it instead of FlashAttention-2 on Hopper
-  ("Select FusedAttention on sm90 and FlashAttention on others for performance", NVIDIA/TransformerEngine
-  32db39288, 2023-12-07, TE 1.2), so Megatron-Core's and NeMo's H100 runs do. FlashAttention-3's paper benchmarks
-  cuDNN 9.1 on the H100 in the same settings (arXiv 2407.08608, Sec. 4.1): forward with the causal mask,
-  Figure 5(d), and without it, 5(c) (the same plots: flash-attention's assets/flash3_fp16_fwd.png); backward
-  without it only, Figure 6(b). The causal backward is taken as the backward without the mask slowed as much as
-  the forward is by it (CUDNN_H100, below). Off Hopper Transformer Engine picks FlashAttention-2, and so does the
-  planner.
+- Transformer Engine's fused attention (attention="fused", the planner's default): on Hopper it runs cuDNN's
+  kernel instead of FlashAttention-2 ("Select FusedAttention on sm90 and FlashAttention on others for
+  performance", NVIDIA/TransformerEngine 32db39288, 2023-12-07, TE 1.2), so Megatron-Core's and NeMo's H100 runs
+  do; off Hopper it runs FlashAttention-2, and "fused" is "flash" there. FlashAttention-3's paper benchmarks
+  cuDNN 9.1 on the H100 in the same settings (arXiv 2407.08608, Sec. 4.1; FlashAttention-3 itself is about 8%
+  faster at 2k): forward with the causal mask, Figure 5(d), and without it, 5(c) (the same plots: flash-attention's
+  assets/flash3_fp16_fwd.png); backward without the mask only, Figure 6(b). The causal backward is taken as the
+  backward without the mask slowed as much as the forward is by it (CUDNN_H100, below).
+- A GPU without a benchmark (a Cluster given no curve) gets the A100's curves scaled by its peak over the A100's
+  312 TFLOP/s, as its matmul ceiling is (inputs.Cluster).
 
 A training job runs these kernels as it runs its products: at `fraction` of their benchmark speed (the fitted
 share of the measured matmul ceiling, shardlib/plan/fitted.py), since clocks, power and the rest of the step

@@ -71,10 +71,11 @@ def _parser() -> argparse.ArgumentParser:
     job.add_argument("--checkpoint-early-stop", action="store_true", help="full recomputation stops at each "
                      "layer's last saved tensor, skipping the MLP's down projection, as PyTorch's non-reentrant "
                      "checkpoint does since 2.1 (FSDP, torchtitan; default: the whole layer again, as Megatron-LM)")
-    job.add_argument("--attention", default="flash", choices=ATTENTION, help="FlashAttention-2 (default), "
+    job.add_argument("--attention", default="fused", choices=ATTENTION, help="Transformer Engine's fused "
+                     "attention (default: cuDNN's kernel on Hopper, FlashAttention-2 elsewhere), FlashAttention-2, "
                      "FlashAttention's Triton kernel (at its fitted speed, shardlib/plan/fitted.py, which "
-                     "--efficiency leaves alone), cuDNN's fused attention (Transformer Engine's on Hopper), or the "
-                     "scores written out; fused kernels at their published speed, shardlib/plan/attention.py")
+                     "--efficiency leaves alone), or the scores written out; fused kernels at their published "
+                     "speed, shardlib/plan/attention.py")
     job.add_argument("--reserve-gib", type=float, default=0.0, help="GiB per GPU kept free beyond the estimate "
                      "(which counts the CUDA context and NCCL's buffers)")
     job.add_argument("--headroom", type=float, default=HEADROOM, help="share of the rest a recommended layout leaves "

@@ -90,8 +90,9 @@ def layer_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attent
 
 def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, attention: str):
     """(forward, backward) seconds of Q K^T and A V on this rank's b a / t heads of (s / c) x s scores, by the
-    kernel `attention` (cost.ATTENTION). FlashAttention-2 and cuDNN's fused attention run at their benchmark speed
-    for s / c tokens (Cluster.flash_tflops, cudnn_tflops; attention.py) times `fraction`, as the products do;
+    kernel `attention` (cost.ATTENTION). FlashAttention-2 and Transformer Engine's fused attention run at their
+    benchmark speed for s / c tokens (Cluster.flash_tflops, fused_tflops; attention.py) times `fraction`, as the
+    products do;
     FlashAttention's Triton kernel at its own fitted share of the GPU's peak (Cluster.triton_attention), which
     `fraction` does not change: it is one kernel's fitted speed."""
     t, cp, b, s, d = c.tp, c.cp, c.micro_batch, spec.seq_len, spec.head_dim
@@ -101,7 +102,7 @@ def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, at
         if attention == "flash-triton":
             rate = cluster.peak_tflops * 1e12 * cluster.triton_attention
         else:
-            curve = cluster.cudnn_tflops if attention == "cudnn" else cluster.flash_tflops
+            curve = cluster.fused_tflops if attention == "fused" else cluster.flash_tflops
             rate = kernel_tflops(curve, s / cp) * 1e12 * fraction
         return flops / rate, FLASH_BACKWARD * flops / rate
     scores = forward_backward_seconds(s / cp, s, d, cluster, fraction, hbm_fraction, heads)

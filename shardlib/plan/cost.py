@@ -112,8 +112,8 @@ from shardlib.plan.inputs import Cluster
 from shardlib.plan.links import exposed
 from shardlib.plan.model import ModelSpec
 
-ATTENTION = ("flash", "flash-triton", "cudnn", "unfused")  # FlashAttention-2, its Triton kernel, cuDNN's fused
-# attention (Transformer Engine's on Hopper), the scores written out (shardlib/plan/attention.py)
+ATTENTION = ("fused", "flash", "flash-triton", "unfused")  # Transformer Engine's fused attention (cuDNN's on
+# Hopper, FlashAttention-2 elsewhere), FlashAttention-2, its Triton kernel, the scores written out (attention.py)
 
 
 class _Columns:
@@ -230,7 +230,7 @@ class Options:
     recipe: object = "mixed_adam"
     efficiency: float | None = None  # None: the cluster's matmul_fraction
     overlap: bool = True
-    attention: str = "flash"
+    attention: str = "fused"
     link: tuple = (FITTED["nvlink"], FITTED["network"])
     hbm: float = FITTED["hbm"]
     scatter_gather: bool = True  # arXiv 2104.04473, Sec. 4.1

@@ -37,9 +37,10 @@ class Cluster:
     streaming multiprocessors (shardlib/plan/gemm.py; GPUS below; without a measurement, the A100's
     267.9 / 312 of peak_tflops), matmul_fraction the part of that rate a training job's products reach
     (fitted, shardlib/plan/fitted.py; the A100's by default), triton_attention the part of peak_tflops
-    FlashAttention's Triton kernel reaches (fitted, the same file), flash_tflops and cudnn_tflops the benchmark
-    speeds of FlashAttention-2 and of cuDNN's fused attention at attention.LENGTHS (shardlib/plan/attention.py;
-    the A100's by default, where cuDNN's is FlashAttention-2's, as Transformer Engine picks it there).
+    FlashAttention's Triton kernel reaches (fitted, the same file), flash_tflops and fused_tflops the benchmark
+    speeds of FlashAttention-2 and of Transformer Engine's fused attention at attention.LENGTHS
+    (shardlib/plan/attention.py: cuDNN's kernel on the H100, FlashAttention-2 elsewhere; without a benchmark, the
+    A100's FlashAttention-2 times peak_tflops / 312).
     alpha_us: latency per step of a ring collective: an 8-byte all-reduce over 2 NVLink A100s takes 9.85 us for its 2 steps
     (https://github.com/NVIDIA/nccl-tests/issues/331)."""
 
@@ -57,12 +58,16 @@ class Cluster:
     n_sm: int = 108
     matmul_fraction: float = FITTED["a100"]
     triton_attention: float = ATTENTION_TRITON["a100"]  # of peak_tflops: FlashAttention's Triton kernel (fitted.py)
-    flash_tflops: tuple = FLASH2["a100"]  # FlashAttention-2's benchmark, TFLOP/s at attention.LENGTHS
-    cudnn_tflops: tuple = FLASH2["a100"]  # cuDNN's fused attention (off Hopper, Transformer Engine runs FA2)
+    flash_tflops: tuple | None = None  # FlashAttention-2's benchmark, TFLOP/s at attention.LENGTHS
+    fused_tflops: tuple | None = None  # Transformer Engine's fused attention (None: flash_tflops)
 
     def __post_init__(self):
         if self.matmul_tflops is None:  # a GPU without a measurement: the A100's measured fraction of its peak
             object.__setattr__(self, "matmul_tflops", self.peak_tflops * A100_MATMUL / 312.0)
+        if self.flash_tflops is None:  # nor a benchmark of its attention: the A100's, scaled by the peak
+            object.__setattr__(self, "flash_tflops", tuple(x * self.peak_tflops / 312.0 for x in FLASH2["a100"]))
+        if self.fused_tflops is None:  # Transformer Engine runs FlashAttention-2 off Hopper
+            object.__setattr__(self, "fused_tflops", self.flash_tflops)
         for key, value in asdict(self).items():
             if key.endswith("_tflops") and isinstance(value, tuple):
                 if len(value) != len(LENGTHS) or not all(isinstance(x, (int, float)) and x > 0 for x in value):
@@ -105,7 +110,7 @@ GPUS = {
                  intra_bw_gbps=300.0, inter_bw_gbps=25.0, pcie_bw_gbps=32.0, matmul_fraction=FITTED["a100"]),
     "h100": dict(gpu_mem_gib=80.0, peak_tflops=989.0, matmul_tflops=792.1, n_sm=132, hbm_bw_gbps=3350.0,
                  intra_bw_gbps=450.0, inter_bw_gbps=50.0, pcie_bw_gbps=64.0, matmul_fraction=FITTED["h100"],
-                 triton_attention=ATTENTION_TRITON["h100"], flash_tflops=FLASH2["h100"], cudnn_tflops=CUDNN_H100),
+                 triton_attention=ATTENTION_TRITON["h100"], flash_tflops=FLASH2["h100"], fused_tflops=CUDNN_H100),
 }
 
 

@@ -29,7 +29,7 @@ from shardlib.plan.rules import check_layout, check_options
 
 def per_gpu(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int, *, stage: int = 0,
             recipe="mixed_adam", efficiency: float | None = None, overlap: bool = True,
-            attention: str = "flash", scatter_gather: bool = True) -> dict:
+            attention: str = "fused", scatter_gather: bool = True) -> dict:
     """One GPU of pipeline stage `stage`: its memory by kind and its collectives one by one (module docstring);
     options as shardlib.plan.plan's."""
     check_options(cluster, efficiency, overlap, 0.0, attention, scatter_gather)

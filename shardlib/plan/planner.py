@@ -117,7 +117,7 @@ def _layout(row: tuple) -> Layout:
 
 
 def predict(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int, *, recipe="mixed_adam",
-            efficiency: float | None = None, overlap: bool = True, attention: str = "flash",
+            efficiency: float | None = None, overlap: bool = True, attention: str = "fused",
             stage: int | None = None, reserve_gib: float = 0.0, headroom: float = HEADROOM,
             link_efficiency: tuple = (FITTED["nvlink"], FITTED["network"]),
             hbm_efficiency: float = FITTED["hbm"], scatter_gather: bool = True,
@@ -192,7 +192,7 @@ def _candidate_rows(spec: ModelSpec, cluster: Cluster, global_batch: int, *, dp=
                     sequence_parallel=(False, True), micro_batches=None, max_micro_batch=16,
                     virtual_stages=None, cp_methods=SEARCHED_CP_METHODS, offload=(False,), tp_overlap=(False, True),
                     tp_within_node: bool = False, even_stages: bool = False, min_interleaved_pp: int = 2,
-                    zero_in_pipeline=PIPELINE_ZERO_STAGES, attention: str = "flash") -> list[tuple]:
+                    zero_in_pipeline=PIPELINE_ZERO_STAGES, attention: str = "fused") -> list[tuple]:
     check_batch(global_batch)
     n, g, L, s = cluster.n_gpus, cluster.gpus_per_node, spec.n_layer, spec.seq_len
     fixed = lambda value, size: value is None or value == size  # noqa: E731
@@ -292,7 +292,7 @@ class Plan:
 
 
 def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_adam",
-         efficiency: float | None = None, overlap: bool = True, attention: str = "flash",
+         efficiency: float | None = None, overlap: bool = True, attention: str = "fused",
          reserve_gib: float = 0.0, headroom: float = HEADROOM,
          link_efficiency: tuple = (FITTED["nvlink"], FITTED["network"]),
          hbm_efficiency: float = FITTED["hbm"], scatter_gather: bool = True, overlap_with_pipeline: bool = True,
@@ -304,10 +304,10 @@ def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_
     fraction of the GPU's measured matmul ceiling its products reach (default: the cluster's fitted
     matmul_fraction); overlap: overlap data-parallel communication with compute, as PyTorch's DDP and FSDP
     and Megatron's --overlap-grad-reduce do (default), paying the overlap rule of shardlib/plan/links.py;
-    attention: "flash" (FlashAttention-2, default), "flash-triton" (FlashAttention's Triton kernel, as MosaicML's
-    benchmarks ran it: shardlib/plan/mosaic.py), "cudnn" (cuDNN's fused attention, Transformer Engine's on Hopper;
-    fused kernels at their published benchmark speed, shardlib/plan/attention.py) or "unfused" (the scores written
-    out, as Megatron-LM in 2021-22);
+    attention: "fused" (default: Transformer Engine's fused attention, cuDNN's kernel on Hopper and FlashAttention-2
+    elsewhere), "flash" (FlashAttention-2), "flash-triton" (FlashAttention's Triton kernel, as MosaicML's benchmarks
+    ran it: shardlib/plan/mosaic.py), each at its published benchmark speed (shardlib/plan/attention.py), or
+    "unfused" (the scores written out, as Megatron-LM in 2021-22);
     reserve_gib: memory per GPU kept free; headroom: the share of the rest a recommended layout leaves
     free (default 0.2: no out-of-memory error below 80% in arXiv 2411.06465's 454 runs; 0 ranks every layout
     that fits by time alone); link_efficiency (inside a node, across),

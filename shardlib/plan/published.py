@@ -23,8 +23,8 @@ training_runs()
   optimizer) and --tp-comm-overlap; bf16, so gradients accumulated and reduced in fp32 (Megatron-LM's
   arguments.py). Published: TFLOP/s per GPU by Megatron's num_floating_point_operations (no recomputation
   counted). Micro-batch, virtual stages and recomputation are not published: free. Attention: Transformer
-  Engine's, which runs cuDNN's fused attention on Hopper (attention="cudnn", shardlib/plan/attention.py), as in
-  the NeMo runs below.
+  Engine's, which runs cuDNN's kernel on Hopper (attention="fused", shardlib/plan/attention.py), as in the NeMo
+  runs below.
 
 held_out_runs()
 - GPT-3 175B on 1,024 A100 (Megatron-LM README, January 2021, and examples/pretrain_gpt3_175B.sh): t 8, p 16,
@@ -241,7 +241,7 @@ def _megatron_core_h100() -> list[PublishedRun]:
             f"Megatron-Core GPT {size:g}B", spec, Cluster.of(n, **H100), layout, batch, "mixed_adam_fp32_grads",
             f"{tflops} TFLOP/s per GPU", megatron_core_flops(spec, batch) / (n * tflops * 1e12),
             "NVIDIA/Megatron-LM README, images/model_table.png", free=CHOOSE, gpu="h100",
-            search=SOFTWARE["megatron-core-2024"], attention="cudnn"))
+            search=SOFTWARE["megatron-core-2024"], attention="fused"))
     return runs
 
 
@@ -397,7 +397,7 @@ def _nemotron4() -> PublishedRun:
     return PublishedRun("Nemotron-4 340B", ModelSpec.preset("nemotron4-340b"), Cluster.of(6144, **H100), layout, 2304,
                         "mixed_adam_fp32_main_grads", "8.0 s per iteration", 8.0,
                         "arXiv 2406.11704, Table 2; NeMo-Framework-Launcher conf/training/nemotron/nemotron_340b.yaml",
-                        gpu="h100", search=SOFTWARE["megatron-core-2024"], attention="cudnn")
+                        gpu="h100", search=SOFTWARE["megatron-core-2024"], attention="fused")
 
 
 def _nemo_24_07() -> list[PublishedRun]:
@@ -410,7 +410,7 @@ def _nemo_24_07() -> list[PublishedRun]:
                                  "mixed_adam_fp32_main_grads", "FP8 (memory only)", None,
                                  "NVIDIA/NeMo docs/source/performance/performance_summary.md (24.07)",
                                  free=dict(recompute=(None, "selective", "full")), gpu="h100",
-                                 search=SOFTWARE["megatron-core-2024"], attention="cudnn"))
+                                 search=SOFTWARE["megatron-core-2024"], attention="fused"))
     return runs
 
 

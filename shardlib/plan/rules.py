@@ -15,15 +15,15 @@ def check_batch(global_batch) -> None:
         raise ValueError(f"global_batch must be a positive integer (sequences per step), got {global_batch!r}")
 
 
-def check_options(cluster: Cluster, efficiency, overlap, reserve_gib: float, attention: str = "flash",
+def check_options(cluster: Cluster, efficiency, overlap, reserve_gib: float, attention: str = "fused",
                   scatter_gather: bool = True, overlap_with_pipeline: bool = True, headroom: float = 0.0,
                   async_tp_backward: bool = True, checkpoint_early_stop: bool = False) -> None:
     if efficiency is not None and not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], the fraction of the GPU's measured matmul ceiling "
                          f"(Cluster.matmul_tflops) the products reach; got {efficiency!r}")
     if attention not in ATTENTION:
-        raise ValueError(f"attention must be one of {ATTENTION} (FlashAttention-2, FlashAttention's Triton kernel, "
-                         f"cuDNN's fused attention, or the scores written out), got {attention!r}")
+        raise ValueError(f"attention must be one of {ATTENTION} (Transformer Engine's fused attention, "
+                         f"FlashAttention-2, FlashAttention's Triton kernel, or the scores written out), got {attention!r}")
     if not isinstance(overlap, bool):
         raise ValueError(f"overlap must be True (data-parallel communication overlapped with compute) or False; "
                          f"got {overlap!r}")
