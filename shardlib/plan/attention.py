@@ -29,9 +29,12 @@ bear on both alike. Between the benchmark's lengths the speed is interpolated in
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)  # the benchmarks' sequence lengths, powers of 2
+BACKWARD = 2.5  # FLOPs of a fused kernel's backward over its forward: 5 products of the forward's 2
 
 # FlashAttention-2, forward + backward, causal, d = 128, TFLOP/s (arXiv 2307.08691, Figures 4(d) and 7(d))
 FLASH2 = dict(a100=(99.0, 133.0, 155.0, 173.0, 182.0, 189.0), h100=(163.0, 221.0, 265.0, 294.0, 308.0, 328.0))
@@ -40,9 +43,9 @@ FLASH2 = dict(a100=(99.0, 133.0, 155.0, 173.0, 182.0, 189.0), h100=(163.0, 221.0
 def _causal_forward_backward(forward_causal, forward_full, backward_full):
     """Forward + backward TFLOP/s of a causal kernel whose causal backward was not benchmarked: the backward
     without the mask times forward_causal / forward_full, the forward's own slowdown under the mask; the pair does
-    1 + 2.5 forward FLOPs."""
+    1 + BACKWARD forward FLOPs."""
     backward = [b * fc / ff for b, fc, ff in zip(backward_full, forward_causal, forward_full)]
-    return tuple(3.5 / (1.0 / f + 2.5 / b) for f, b in zip(forward_causal, backward))
+    return tuple((1.0 + BACKWARD) / (1.0 / f + BACKWARD / b) for f, b in zip(forward_causal, backward))
 
 
 # cuDNN 9.1 on the H100, d = 128 (arXiv 2407.08608): forward causal (Fig. 5(d)), forward and backward without the
@@ -56,7 +59,8 @@ def kernel_tflops(curve, seq_len):
     """Benchmark TFLOP/s of a kernel's `curve` (one value per LENGTHS) at `seq_len` tokens (a number or a column):
     interpolated in log2 s between the benchmark's lengths, held beyond them."""
     curve = torch.as_tensor(curve, dtype=torch.float64)
-    x = torch.clamp(torch.log2(torch.as_tensor(seq_len, dtype=torch.float64)) - 9.0, 0.0, len(LENGTHS) - 1.0)
+    steps = torch.log2(torch.as_tensor(seq_len, dtype=torch.float64)) - math.log2(LENGTHS[0])  # one per doubling
+    x = torch.clamp(steps, 0.0, len(LENGTHS) - 1.0)
     low = torch.clamp(torch.floor(x), max=len(LENGTHS) - 2.0).long()
     share = x - low
     return curve[low] + share * (curve[low + 1] - curve[low])

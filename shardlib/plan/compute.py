@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from shardlib.plan.attention import kernel_tflops
+from shardlib.plan.attention import BACKWARD, kernel_tflops
 from shardlib.plan.gemm import forward_backward_seconds, matmul_seconds
 
 LOSS_BYTES = 2 + 4 + 4 + 4 + 8 + 6  # per logit, the cross-entropy's passes (output_layer_seconds)
-FLASH_BACKWARD = 2.5  # FLOPs of a fused kernel's backward over its forward: 5 products of the forward's 2
 NORM_BYTES = 4  # s b h bytes of a norm: read 2, write 2
 RESIDUAL_ADD_BYTES = 7  # s b h bytes of a bias-dropout-add: read 2 + 2, write 2, the mask 1
 OUTPUT_LAYER_INPUTS = 4  # s b h bytes the last stage keeps: the final norm's input and the output layer's (Sec. 4.3)
@@ -92,9 +91,8 @@ def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, at
     """(forward, backward) seconds of Q K^T and A V on this rank's b a / t heads of (s / c) x s scores, by the
     kernel `attention` (cost.ATTENTION). FlashAttention-2 and Transformer Engine's fused attention run at their
     benchmark speed for s / c tokens (Cluster.flash_tflops, fused_tflops; attention.py) times `fraction`, as the
-    products do;
-    FlashAttention's Triton kernel at its own fitted share of the GPU's peak (Cluster.triton_attention), which
-    `fraction` does not change: it is one kernel's fitted speed."""
+    products do; FlashAttention's Triton kernel at its own fitted share of the GPU's peak (Cluster.triton_attention),
+    which `fraction` does not change: it is one kernel's fitted speed."""
     t, cp, b, s, d = c.tp, c.cp, c.micro_batch, spec.seq_len, spec.head_dim
     heads = b * spec.n_head / t
     if attention != "unfused":
@@ -104,7 +102,7 @@ def attention_seconds(spec, cluster, c, fraction: float, hbm_fraction: float, at
         else:
             curve = cluster.fused_tflops if attention == "fused" else cluster.flash_tflops
             rate = kernel_tflops(curve, s / cp) * 1e12 * fraction
-        return flops / rate, FLASH_BACKWARD * flops / rate
+        return flops / rate, BACKWARD * flops / rate
     scores = forward_backward_seconds(s / cp, s, d, cluster, fraction, hbm_fraction, heads)
     values = forward_backward_seconds(s / cp, d, s, cluster, fraction, hbm_fraction, heads)
     return scores[0] + values[0], scores[1] + values[1]

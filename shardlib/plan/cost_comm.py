@@ -184,23 +184,20 @@ def _data_parallel(c, m, layers, param_bytes, grad_bytes, ring: Ring, windows, o
     z = c.zero
     forward, backward = windows
     units = torch.where(z >= 2, layers + 1, 1.0)  # ZeRO-2 and -3 (FSDP) gather and reduce layer by layer
+    reductions = torch.where(z == 1, 1.0, m)  # ZeRO-1 reduce-scatters once a step, ZeRO-2 and -3 every micro-batch
     all_reduce = ring.time("all_reduce", grad_bytes)
-    reduce_scatter, all_gather = ring.time("reduce_scatter", grad_bytes), ring.time("all_gather", param_bytes)
     rs_units = units * ring.time("reduce_scatter", grad_bytes / units)  # with the alphas of layer by layer
     ag_units = units * ring.time("all_gather", param_bytes / units)
     hide = lambda x, under: torch.where(overlap, exposed(x, under), x)  # noqa: E731 - overlap: a column
     seconds = torch.where(z == 0, hide(all_reduce, backward),
-              torch.where(z == 1, hide(reduce_scatter, backward) + hide(all_gather, forward),
-              torch.where(z == 2, m * hide(rs_units, backward) + hide(ag_units, forward),
-                          m * (hide(ag_units, forward) + hide(ag_units + rs_units, backward)))))
+              torch.where(z <= 2, reductions * hide(rs_units, backward) + hide(ag_units, forward),
+                          m * (hide(ag_units, forward) + hide(ag_units + rs_units, backward))))
     zero = torch.zeros_like(m * z)
-    one, per_micro = torch.ones_like(zero), m * torch.ones_like(zero)
+    gathers = torch.where(z == 3, 2 * m, 1.0) * units  # ZeRO-3 gathers again in every backward
     collectives = [
-        Collective("dp", "all_reduce", grad_bytes, torch.where(z == 0, one, zero), ring),
-        Collective("dp", "reduce_scatter", grad_bytes, torch.where(z == 1, one, zero), ring),
-        Collective("dp", "all_gather", param_bytes, torch.where(z == 1, one, zero), ring),
-        Collective("dp", "all_gather", param_bytes / units, torch.where(z == 3, 2 * per_micro * units,
-                                                                        torch.where(z == 2, units, zero)), ring),
-        Collective("dp", "reduce_scatter", grad_bytes / units, torch.where(z >= 2, per_micro * units, zero), ring),
+        Collective("dp", "all_reduce", grad_bytes, torch.where(z == 0, 1.0 + zero, zero), ring),
+        Collective("dp", "all_gather", param_bytes / units, torch.where(z >= 1, gathers + zero, zero), ring),
+        Collective("dp", "reduce_scatter", grad_bytes / units, torch.where(z >= 1, reductions * units + zero, zero),
+                   ring),
     ]
     return seconds, collectives

@@ -40,9 +40,8 @@ class Cluster:
     FlashAttention's Triton kernel reaches (fitted, the same file), flash_tflops and fused_tflops the benchmark
     speeds of FlashAttention-2 and of Transformer Engine's fused attention at attention.LENGTHS
     (shardlib/plan/attention.py: cuDNN's kernel on the H100, FlashAttention-2 elsewhere; without a benchmark, the
-    A100's FlashAttention-2 times peak_tflops / 312).
-    alpha_us: latency per step of a ring collective: an 8-byte all-reduce over 2 NVLink A100s takes 9.85 us for its 2 steps
-    (https://github.com/NVIDIA/nccl-tests/issues/331)."""
+    A100's FlashAttention-2 times peak_tflops / 312). alpha_us: latency per step of a ring collective: an 8-byte
+    all-reduce over 2 NVLink A100s takes 9.85 us for its 2 steps (https://github.com/NVIDIA/nccl-tests/issues/331)."""
 
     n_nodes: int = 1
     gpus_per_node: int = 8
