@@ -279,6 +279,23 @@ def slot_split(runs: list[PublishedRun]) -> dict:
     return dict(slots=slots, published=line(published), predicted=line(predicted))
 
 
+def per_sequence(run: PublishedRun) -> float:
+    """Published seconds per sequence through one pipeline, everything in the step included (the bubble, the
+    reduction, the optimizer): step / (global batch / dp). An upper bound on what one sequence's pass costs there."""
+    return run.step_s * run.layout.dp / run.global_batch
+
+
+def same_shape_runs(group: list[PublishedRun]) -> list[PublishedRun]:
+    """Published runs of both sets, outside `group` and missed by none, of the group's model shape (layers, hidden,
+    heads, sequence), tensor- and pipeline-parallel sizes, micro-batch, recomputation and GPU: the same work per
+    micro-batch on each stage, run by another engine. What they took per sequence is measured, not predicted."""
+    key = lambda run: (run.spec.n_layer, run.spec.hidden, run.spec.n_head, run.spec.seq_len, run.layout.tp,  # noqa
+                       run.layout.pp, run.layout.micro_batch, run.layout.recompute, run.gpu, run.cluster.gpu_mem_gib)
+    keys, names = {key(run) for run in group}, {run.name for run in group}
+    return [run for run in training_runs() + held_out_runs()
+            if key(run) in keys and run.name not in names and not run.known_miss]
+
+
 def misses_lines(rows: list[dict], runs: list[PublishedRun] | None = None) -> list[str]:
     """The runs left out of the error figures (known_miss), each with its error, and why once per reason; with the
     runs (`runs`, the same as the rows'), a reason shared by pipelines of one model at several sizes is followed by
@@ -300,6 +317,13 @@ def misses_lines(rows: list[dict], runs: list[PublishedRun] | None = None) -> li
                          f"micro-batches): published s = {split['published']['per_slot']:.3f} s, r = "
                          f"{split['published']['per_step']:.1f} s; predicted s = {split['predicted']['per_slot']:.3f}"
                          f" s, r = {split['predicted']['per_step']:.1f} s")
+            others = same_shape_runs(group)
+            if others:
+                mine = [per_sequence(run) for run in group]
+                lines.append(f"    published seconds per sequence through one pipeline, bubble and step included "
+                             f"(step x dp / batch), the same shape, t, p, micro-batch and recomputation on the same "
+                             f"GPUs: " + ", ".join(f"{run.name} {per_sequence(run):.3f} s" for run in others)
+                             + f"; these runs {min(mine):.3f} to {max(mine):.3f} s")
     return lines
 
 
