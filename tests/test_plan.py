@@ -659,7 +659,7 @@ def test_the_mt_nlg_miss_is_in_every_micro_batch_and_in_every_step():
     assert split["published"]["per_step"] > split["predicted"]["per_step"] + 3, "no miss per step"
     lines = misses_lines(table(runs, rank=False), runs)
     assert len(lines) == 3 and "split below" in lines[0] and f"{split['published']['per_slot']:.3f} s" in lines[1]
-    # published against published: Megatron-LM's engine ran the same work per micro-batch and stage in less per
+    # published against published: Megatron-LM's engine ran the same work per sequence and stage in less per
     # sequence, its bubble and step included, than MT-NLG's slot alone. Table 1's 529.6B (2021): 163 TFLOP/s per GPU
     # on 2,520 GPUs, batch 2,520, so by arXiv 2104.04473's eq. 3 a step of 96 B s l h^2 (1 + s / 6h + V / 16lh) /
     # (N x 163e12) for 2,520 / 9 = 280 sequences per pipeline; the 2022 paper's 530B: 49.05 s for 280

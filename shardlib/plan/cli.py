@@ -18,7 +18,7 @@ import sys
 from dataclasses import asdict
 
 from shardlib import memory
-from shardlib.plan.cost import ATTENTION
+from shardlib.plan.cost import ATTENTION, DEFAULT_ATTENTION
 from shardlib.plan.inference import GPU_SIZES_GIB, format_inference_table, inference_table, predict_inference
 from shardlib.plan.inputs import CP_METHODS, GPUS, PRESETS, Cluster, Layout, count_text, load_model
 from shardlib.plan.planner import HEADROOM, NoLayoutFits, plan, predict
@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     job.add_argument("--checkpoint-early-stop", action="store_true", help="full recomputation stops at each "
                      "layer's last saved tensor, skipping the MLP's down projection, as PyTorch's non-reentrant "
                      "checkpoint does since 2.1 (FSDP, torchtitan; default: the whole layer again, as Megatron-LM)")
-    job.add_argument("--attention", default="fused", choices=ATTENTION, help="Transformer Engine's fused "
+    job.add_argument("--attention", default=DEFAULT_ATTENTION, choices=ATTENTION, help="Transformer Engine's fused "
                      "attention (default: cuDNN's kernel on Hopper, FlashAttention-2 elsewhere), FlashAttention-2, "
                      "FlashAttention's Triton kernel (at its fitted speed, shardlib/plan/fitted.py, which "
                      "--efficiency leaves alone), or the scores written out; fused kernels at their published "

@@ -114,6 +114,7 @@ from shardlib.plan.model import ModelSpec
 
 ATTENTION = ("fused", "flash", "flash-triton", "unfused")  # Transformer Engine's fused attention (cuDNN's on
 # Hopper, FlashAttention-2 elsewhere), FlashAttention-2, its Triton kernel, the scores written out (attention.py)
+DEFAULT_ATTENTION = ATTENTION[0]  # what Megatron-Core and NeMo run
 
 
 class _Columns:
@@ -230,7 +231,7 @@ class Options:
     recipe: object = "mixed_adam"
     efficiency: float | None = None  # None: the cluster's matmul_fraction
     overlap: bool = True
-    attention: str = "fused"
+    attention: str = DEFAULT_ATTENTION
     link: tuple = (FITTED["nvlink"], FITTED["network"])
     hbm: float = FITTED["hbm"]
     scatter_gather: bool = True  # arXiv 2104.04473, Sec. 4.1

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from shardlib.plan.cost import Layouts, Options, _one_thread, _stage, layers_of_stage
+from shardlib.plan.cost import DEFAULT_ATTENTION, Layouts, Options, _one_thread, _stage, layers_of_stage
 from shardlib.plan.inputs import Cluster, Layout
 from shardlib.plan.model import ModelSpec
 from shardlib.plan.planner import _row
@@ -29,7 +29,7 @@ from shardlib.plan.rules import check_layout, check_options
 
 def per_gpu(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int, *, stage: int = 0,
             recipe="mixed_adam", efficiency: float | None = None, overlap: bool = True,
-            attention: str = "fused", scatter_gather: bool = True) -> dict:
+            attention: str = DEFAULT_ATTENTION, scatter_gather: bool = True) -> dict:
     """One GPU of pipeline stage `stage`: its memory by kind and its collectives one by one (module docstring);
     options as shardlib.plan.plan's."""
     check_options(cluster, efficiency, overlap, 0.0, attention, scatter_gather)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from shardlib import memory
-from shardlib.plan.cost import FITTED, Costs, Layouts, Options, costs
+from shardlib.plan.cost import DEFAULT_ATTENTION, FITTED, Costs, Layouts, Options, costs
 from shardlib.plan.inputs import CP_METHODS, RECOMPUTE, Cluster, GiB, Layout
 from shardlib.plan.model import ModelSpec, count_text
 from shardlib.plan.report import explain, format_table
@@ -117,7 +117,7 @@ def _layout(row: tuple) -> Layout:
 
 
 def predict(spec: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int, *, recipe="mixed_adam",
-            efficiency: float | None = None, overlap: bool = True, attention: str = "fused",
+            efficiency: float | None = None, overlap: bool = True, attention: str = DEFAULT_ATTENTION,
             stage: int | None = None, reserve_gib: float = 0.0, headroom: float = HEADROOM,
             link_efficiency: tuple = (FITTED["nvlink"], FITTED["network"]),
             hbm_efficiency: float = FITTED["hbm"], scatter_gather: bool = True,
@@ -192,7 +192,7 @@ def _candidate_rows(spec: ModelSpec, cluster: Cluster, global_batch: int, *, dp=
                     sequence_parallel=(False, True), micro_batches=None, max_micro_batch=16,
                     virtual_stages=None, cp_methods=SEARCHED_CP_METHODS, offload=(False,), tp_overlap=(False, True),
                     tp_within_node: bool = False, even_stages: bool = False, min_interleaved_pp: int = 2,
-                    zero_in_pipeline=PIPELINE_ZERO_STAGES, attention: str = "fused") -> list[tuple]:
+                    zero_in_pipeline=PIPELINE_ZERO_STAGES, attention: str = DEFAULT_ATTENTION) -> list[tuple]:
     check_batch(global_batch)
     n, g, L, s = cluster.n_gpus, cluster.gpus_per_node, spec.n_layer, spec.seq_len
     fixed = lambda value, size: value is None or value == size  # noqa: E731
@@ -292,7 +292,7 @@ class Plan:
 
 
 def plan(spec: ModelSpec, cluster: Cluster, global_batch: int, *, recipe="mixed_adam",
-         efficiency: float | None = None, overlap: bool = True, attention: str = "fused",
+         efficiency: float | None = None, overlap: bool = True, attention: str = DEFAULT_ATTENTION,
          reserve_gib: float = 0.0, headroom: float = HEADROOM,
          link_efficiency: tuple = (FITTED["nvlink"], FITTED["network"]),
          hbm_efficiency: float = FITTED["hbm"], scatter_gather: bool = True, overlap_with_pipeline: bool = True,

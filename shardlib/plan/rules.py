@@ -5,7 +5,7 @@ Layout.caveats() (shardlib/plan/inputs.py).
 
 from __future__ import annotations
 
-from shardlib.plan.cost import ATTENTION
+from shardlib.plan.cost import ATTENTION, DEFAULT_ATTENTION
 from shardlib.plan.inputs import CP_METHODS, RECOMPUTE, Cluster, Layout
 from shardlib.plan.model import ModelSpec
 
@@ -15,7 +15,7 @@ def check_batch(global_batch) -> None:
         raise ValueError(f"global_batch must be a positive integer (sequences per step), got {global_batch!r}")
 
 
-def check_options(cluster: Cluster, efficiency, overlap, reserve_gib: float, attention: str = "fused",
+def check_options(cluster: Cluster, efficiency, overlap, reserve_gib: float, attention: str = DEFAULT_ATTENTION,
                   scatter_gather: bool = True, overlap_with_pipeline: bool = True, headroom: float = 0.0,
                   async_tp_backward: bool = True, checkpoint_early_stop: bool = False) -> None:
     if efficiency is not None and not 0 < efficiency <= 1:

@@ -287,10 +287,11 @@ def per_sequence(run: PublishedRun) -> float:
 
 def same_shape_runs(group: list[PublishedRun]) -> list[PublishedRun]:
     """Published runs of both sets, outside `group` and missed by none, of the group's model shape (layers, hidden,
-    heads, sequence), tensor- and pipeline-parallel sizes, micro-batch, recomputation and GPU: the same work per
-    micro-batch on each stage, run by another engine. What they took per sequence is measured, not predicted."""
+    heads, sequence), tensor- and pipeline-parallel sizes, recomputation and GPU: the same work per sequence on
+    each stage, run by another engine (the micro-batch is left out: not every source publishes it). What they took
+    per sequence is measured, not predicted."""
     key = lambda run: (run.spec.n_layer, run.spec.hidden, run.spec.n_head, run.spec.seq_len, run.layout.tp,  # noqa
-                       run.layout.pp, run.layout.micro_batch, run.layout.recompute, run.gpu, run.cluster.gpu_mem_gib)
+                       run.layout.pp, run.layout.recompute, run.gpu, run.cluster.gpu_mem_gib)
     keys, names = {key(run) for run in group}, {run.name for run in group}
     return [run for run in training_runs() + held_out_runs()
             if key(run) in keys and run.name not in names and not run.known_miss]
@@ -321,8 +322,8 @@ def misses_lines(rows: list[dict], runs: list[PublishedRun] | None = None) -> li
             if others:
                 mine = [per_sequence(run) for run in group]
                 lines.append(f"    published seconds per sequence through one pipeline, bubble and step included "
-                             f"(step x dp / batch), the same shape, t, p, micro-batch and recomputation on the same "
-                             f"GPUs: " + ", ".join(f"{run.name} {per_sequence(run):.3f} s" for run in others)
+                             f"(step x dp / batch), the same shape, t, p and recomputation on the same GPUs: "
+                             + ", ".join(f"{run.name} {per_sequence(run):.3f} s" for run in others)
                              + f"; these runs {min(mine):.3f} to {max(mine):.3f} s")
     return lines
 
